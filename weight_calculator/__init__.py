@@ -1,0 +1,1 @@
+"""Pure weight functions: (samples, policy, now) -> weights. No clocks, no I/O."""

@@ -1,0 +1,3 @@
+"""trimtab: an Envoy xDS control plane for LLM inference fleets."""
+
+__version__ = "0.1.0"
