@@ -1,0 +1,100 @@
+"""Snapshots: deterministic content hashes, per-cluster EDS versions, consistency, shared bytes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from envoy.config.endpoint.v3.endpoint_pb2 import ClusterLoadAssignment
+from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryResponse, DiscoveryResponse
+
+from tests.xds_fixtures import BASE, cla, cluster, listener, routes, snapshot
+from xds_server import type_urls as T
+from xds_server.cache import SnapshotCache
+from xds_server.protocol import Response
+from xds_server.snapshot import InconsistentSnapshotError, build_snapshot
+from xds_server.transport import encode_delta, encode_sotw
+
+
+def test_same_inputs_same_versions_and_order_does_not_matter():
+    a = snapshot(BASE)
+    b = snapshot(dict(reversed(list(BASE.items()))))
+    assert a.version == b.version
+    assert dict(a.versions) == dict(b.versions)
+
+
+def test_versions_are_stable_across_processes():
+    code = ("from tests.xds_fixtures import BASE, snapshot; s = snapshot(BASE); "
+            "print(s.version, *sorted(r.version for r in s.of_type("
+            "'type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment').values()))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)}
+    here = snapshot(BASE)
+    expected = " ".join([here.version, *sorted(r.version for r in here.of_type(T.ENDPOINT).values())])
+    assert runs == {expected + "\n"}
+
+
+def test_eds_is_versioned_per_cluster():
+    before = snapshot(BASE)
+    after = snapshot({**BASE, "a": {"10.0.0.1:80": 51, "10.0.0.2:80": 50}})
+    eds_before, eds_after = before.of_type(T.ENDPOINT), after.of_type(T.ENDPOINT)
+    assert eds_before["a"].version != eds_after["a"].version
+    assert eds_before["b"].version == eds_after["b"].version
+    assert before.versions[T.CLUSTER] == after.versions[T.CLUSTER]
+
+
+def test_dangling_eds_reference_is_refused():
+    with pytest.raises(InconsistentSnapshotError, match="'ghost'"):
+        build_snapshot({T.CLUSTER: [cluster("a"), cluster("ghost")],
+                        T.ENDPOINT: [cla("a", {"10.0.0.1:80": 1})]})
+
+
+def test_dangling_rds_and_route_cluster_references_are_refused():
+    with pytest.raises(InconsistentSnapshotError, match="RDS 'missing'"):
+        build_snapshot({T.LISTENER: [listener("missing")], T.ROUTE: [routes([], "routes")]})
+    with pytest.raises(InconsistentSnapshotError, match="cluster 'nope'"):
+        build_snapshot({T.LISTENER: [listener()], T.ROUTE: [routes(["nope"])]})
+
+
+def test_duplicate_names_are_refused():
+    with pytest.raises(InconsistentSnapshotError, match="duplicated"):
+        build_snapshot({T.ENDPOINT: [cla("a", {}), cla("a", {})]})
+
+
+def test_cache_keeps_last_good_and_is_level_based():
+    cache = SnapshotCache()
+    woken = []
+    cache.watch(lambda: woken.append(1))
+    first = snapshot(BASE)
+    assert cache.set_snapshot(first)
+    assert not cache.set_snapshot(snapshot(BASE))  # same content: no wake-up
+    assert woken == [1]
+    with pytest.raises(InconsistentSnapshotError):
+        cache.set_snapshot(build_snapshot({T.CLUSTER: [cluster("x")]}))
+    assert cache.snapshot is not None and cache.snapshot.version == first.version
+
+
+def test_cache_reuses_unchanged_resource_objects_so_bytes_are_shared():
+    cache = SnapshotCache()
+    cache.set_snapshot(snapshot(BASE))
+    old_b = cache.snapshot.of_type(T.ENDPOINT)["b"]
+    encoded = old_b.sotw_field
+    cache.set_snapshot(snapshot({**BASE, "a": {"10.0.0.1:80": 1}}))
+    assert cache.snapshot.of_type(T.ENDPOINT)["b"] is old_b
+    assert cache.snapshot.of_type(T.ENDPOINT)["b"].sotw_field is encoded
+
+
+def test_hand_encoded_responses_parse_as_the_real_messages():
+    snap = snapshot(BASE)
+    resources = tuple(snap.of_type(T.ENDPOINT).values())
+    resp = Response(T.ENDPOINT, "v1", "7", resources, removed=("gone",))
+    sotw = DiscoveryResponse.FromString(encode_sotw(resp))
+    assert (sotw.version_info, sotw.nonce, sotw.type_url) == ("v1", "7", T.ENDPOINT)
+    unpacked = [ClusterLoadAssignment.FromString(a.value) for a in sotw.resources]
+    assert [u.cluster_name for u in unpacked] == ["a", "b"]
+    assert unpacked[0] == resources[0].message
+    delta = DeltaDiscoveryResponse.FromString(encode_delta(resp))
+    assert [(r.name, r.version) for r in delta.resources] == [(r.name, r.version) for r in resources]
+    assert list(delta.removed_resources) == ["gone"] and delta.nonce == "7"
+    assert delta.system_version_info == "v1"

@@ -1,0 +1,196 @@
+"""grpc.aio servicers: they only pump messages between gRPC and the sans-IO stream machines.
+
+Responses leave as pre-encoded bytes (identity serializer): each resource is encoded once per
+version (see `snapshot.Resource`) and shared by every stream; only version and nonce are added
+per response. Requests are parsed with the generated upb classes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpc
+from envoy.service.discovery.v3 import discovery_pb2
+
+from . import metrics, type_urls, wire
+from .cache import SnapshotCache
+from .protocol import Ack, DeltaStream, Event, Nack, ProtocolError, Response, SotwStream, StaleNonce
+
+log = logging.getLogger("trimtab.xds")
+
+_SERVICES: dict[str, tuple[str, str, str | None]] = {
+    # service name: (SotW method, Delta method, type URL or None for ADS)
+    "envoy.service.discovery.v3.AggregatedDiscoveryService":
+        ("StreamAggregatedResources", "DeltaAggregatedResources", None),
+    "envoy.service.cluster.v3.ClusterDiscoveryService":
+        ("StreamClusters", "DeltaClusters", type_urls.CLUSTER),
+    "envoy.service.endpoint.v3.EndpointDiscoveryService":
+        ("StreamEndpoints", "DeltaEndpoints", type_urls.ENDPOINT),
+    "envoy.service.listener.v3.ListenerDiscoveryService":
+        ("StreamListeners", "DeltaListeners", type_urls.LISTENER),
+    "envoy.service.route.v3.RouteDiscoveryService":
+        ("StreamRoutes", "DeltaRoutes", type_urls.ROUTE),
+}
+
+
+def _identity(data: bytes) -> bytes:
+    return data
+
+
+def encode_sotw(response: Response) -> bytes:
+    return wire.sotw_response(response.version, (r.sotw_field for r in response.resources),
+                              response.type_url, response.nonce)
+
+
+def encode_delta(response: Response) -> bytes:
+    return wire.delta_response(response.version, (r.delta_field for r in response.resources),
+                               response.type_url, response.nonce, response.removed)
+
+
+@dataclass
+class StreamInfo:
+    """What the admin API shows about a connected stream."""
+
+    peer: str
+    api: str
+    service: str
+    machine: SotwStream | DeltaStream
+
+    @property
+    def node_id(self) -> str:
+        return self.machine.node.id if self.machine.node is not None else ""
+
+
+class XdsServicer:
+    """Serves ADS and the per-type services, SotW and Delta, from one SnapshotCache."""
+
+    def __init__(self, cache: SnapshotCache,
+                 on_event: Callable[[StreamInfo, Event], None] | None = None) -> None:
+        self.cache = cache
+        self.on_event = on_event
+        self.streams: set[StreamInfo] = set()
+
+    def handlers(self) -> list[grpc.GenericRpcHandler]:
+        out = []
+        for service, (sotw, delta, type_url) in _SERVICES.items():
+            methods = {
+                sotw: grpc.stream_stream_rpc_method_handler(
+                    self._handler("sotw", service, type_url),
+                    request_deserializer=discovery_pb2.DiscoveryRequest.FromString,
+                    response_serializer=_identity),
+                delta: grpc.stream_stream_rpc_method_handler(
+                    self._handler("delta", service, type_url),
+                    request_deserializer=discovery_pb2.DeltaDiscoveryRequest.FromString,
+                    response_serializer=_identity),
+            }
+            out.append(grpc.method_handlers_generic_handler(service, methods))
+        return out
+
+    def _handler(self, api: str, service: str, type_url: str | None) -> Callable:
+        async def handle(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
+            machine: SotwStream | DeltaStream = (
+                SotwStream(type_url) if api == "sotw" else DeltaStream(type_url))
+            info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine)
+            await self._serve(info, requests, context)
+        return handle
+
+    async def _serve(self, info: StreamInfo, requests: AsyncIterator,
+                     context: grpc.aio.ServicerContext) -> None:
+        wake = asyncio.Event()
+        inbox: deque = deque()
+        unwatch = self.cache.watch_event(wake)
+        reader = asyncio.create_task(self._read(requests, inbox, wake))
+        self.streams.add(info)
+        metrics.STREAMS.labels(api=info.api).inc()
+        try:
+            await self._pump(info, inbox, wake, reader, context)
+        except ProtocolError as exc:
+            log.warning("protocol error from %s (node %r): %s", info.peer, info.node_id, exc)
+            metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        finally:
+            unwatch()
+            reader.cancel()
+            self.streams.discard(info)
+            metrics.STREAMS.labels(api=info.api).dec()
+
+    @staticmethod
+    async def _read(requests: AsyncIterator, inbox: deque, wake: asyncio.Event) -> None:
+        try:
+            async for request in requests:
+                inbox.append(request)
+                wake.set()
+        except (grpc.aio.AioRpcError, asyncio.CancelledError, ConnectionError) as exc:
+            log.debug("stream closed by peer: %r", exc)
+        finally:
+            inbox.append(None)  # end of stream
+            wake.set()
+
+    async def _pump(self, info: StreamInfo, inbox: deque, wake: asyncio.Event,
+                    reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
+        machine = info.machine
+        while True:
+            await wake.wait()
+            wake.clear()
+            while inbox:
+                request = inbox.popleft()
+                if request is None:
+                    return
+                self._receive(info, request)
+            for response in machine.responses(self.cache.snapshot):
+                await self._send(info, response, context)
+
+    def _receive(self, info: StreamInfo, request: object) -> None:
+        machine = info.machine
+        had_node = machine.node is not None
+        events = machine.receive(request)  # type: ignore[arg-type]
+        if not had_node and machine.node is not None:
+            machine.rejections = self.cache.rejections_for(machine.node.id)
+        for event in events:
+            self._observe(info, event)
+
+    def _observe(self, info: StreamInfo, event: Event) -> None:
+        kind = type_urls.short_name(event.type_url)
+        if isinstance(event, Nack):
+            metrics.NACKS.labels(type=kind).inc()
+            log.warning("NACK from node %r for %s nonce %s (rejected %s): %s", info.node_id, kind,
+                        event.nonce, dict(event.rejected), event.detail[:2000])
+        elif isinstance(event, Ack):
+            metrics.ACKS.labels(type=kind).inc()
+        elif isinstance(event, StaleNonce):
+            metrics.STALE_NONCES.labels(type=kind).inc()
+        if self.on_event is not None:
+            self.on_event(info, event)
+
+    async def _send(self, info: StreamInfo, response: Response,
+                    context: grpc.aio.ServicerContext) -> None:
+        started = time.perf_counter()
+        data = encode_sotw(response) if info.api == "sotw" else encode_delta(response)
+        await context.write(data)
+        kind = type_urls.short_name(response.type_url)
+        metrics.PUSHES.labels(type=kind, api=info.api).inc()
+        metrics.PUSH_RESOURCES.labels(type=kind).inc(len(response.resources))
+        metrics.PUSH_BYTES.labels(type=kind).inc(len(data))
+        metrics.PUSH_SECONDS.labels(type=kind).observe(time.perf_counter() - started)
+        log.debug("push %s v%s nonce %s to %r: %d resources, %d removed", kind, response.version,
+                  response.nonce, info.node_id, len(response.resources), len(response.removed))
+
+
+async def start_xds_server(servicer: XdsServicer, address: str) -> grpc.aio.Server:
+    server = grpc.aio.server(options=[
+        ("grpc.max_send_message_length", 64 * 1024 * 1024),
+        ("grpc.max_receive_message_length", 16 * 1024 * 1024),
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ])
+    server.add_generic_rpc_handlers(tuple(servicer.handlers()))
+    port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"cannot bind the xDS gRPC server to {address}")
+    await server.start()
+    return server
