@@ -52,7 +52,7 @@ def content_hash(*parts: bytes) -> str:
 def resource_name(message: Message) -> str:
     if isinstance(message, endpoint_pb2.ClusterLoadAssignment):
         return message.cluster_name
-    return str(getattr(message, "name"))
+    return str(message.name)
 
 
 @dataclass(frozen=True, eq=False)

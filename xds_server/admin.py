@@ -1,0 +1,114 @@
+"""Admin HTTP API (aiohttp): health, readiness, metrics and the weights trimtab holds.
+
+Loopback by default. Errors are JSON with a proper status code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from .controller import Controller
+from .test_hooks import invalid_weight_mutator
+
+log = logging.getLogger("trimtab.admin")
+
+TEST_HOOKS_ENV = "TRIMTAB_TEST_HOOKS"
+
+
+def weights_document(controller: Controller) -> dict[str, Any]:
+    """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at."""
+    pools: dict[str, Any] = {}
+    for pool in controller.config.pools:
+        computed = controller.weights.get(pool.name)
+        endpoints = {}
+        for endpoint in pool.endpoints:
+            ew = computed.endpoints.get(endpoint.address) if computed else None
+            endpoints[endpoint.address] = {
+                "weight": ew.weight if ew else 1,
+                "stale": ew.stale if ew else True,
+                "saturated": ew.saturated if ew else True,
+                "drain": endpoint.drain,
+                "signals": dict(ew.signals) if ew else {},
+                "updated_at": ew.updated_at if ew else None,
+                "reason": ew.reason if ew else "no telemetry yet",
+            }
+        pools[pool.name] = endpoints
+    fail_static = sorted(p for p, w in controller.weights.items() if w.fail_static)
+    return {"pools": pools, "fail_static_pools": fail_static}
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, indent=1, sort_keys=True), status=status,
+                        content_type="application/json")
+
+
+def json_error(status: int, message: str) -> web.Response:
+    return _json({"error": {"status": status, "message": message}}, status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        return json_error(exc.status, exc.reason)
+    except Exception:  # noqa: BLE001 - report, never crash the admin server
+        log.exception("admin request %s failed", request.path)
+        return json_error(500, "internal error; see the trimtab log")
+
+
+class AdminApi:
+    def __init__(self, controller: Controller, is_ready: Callable[[], bool]) -> None:
+        self.controller = controller
+        self.is_ready = is_ready
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[_errors])
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/weights", self.weights)
+        if os.environ.get(TEST_HOOKS_ENV) == "1":
+            log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
+            app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = self.is_ready()
+        return _json({"ready": ready, "ticks": self.controller.stats.ticks,
+                      "snapshot": getattr(self.controller.cache.snapshot, "version", None)},
+                     200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def weights(self, request: web.Request) -> web.Response:
+        return _json(weights_document(self.controller))
+
+    async def inject_invalid(self, request: web.Request) -> web.Response:
+        """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""
+        body = await request.json()
+        pool = str(body.get("pool", ""))
+        if pool not in {p.name for p in self.controller.config.pools}:
+            return json_error(404, f"unknown pool {pool!r}")
+        self.controller.mutators[:] = [invalid_weight_mutator(pool)] if body.get("enabled") else []
+        published = self.controller.publish()
+        return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
+
+
+async def start_admin(api: AdminApi, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(api.app(), access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,75 @@
+"""Wires the parts together: cache, xDS gRPC server, controller loop and admin API."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import grpc
+
+from .admin import AdminApi, start_admin
+from .cache import SnapshotCache
+from .config import Config, ConfigError, load_config
+from .controller import Controller
+from .transport import XdsServicer, start_xds_server
+
+log = logging.getLogger("trimtab")
+
+SHUTDOWN_GRACE_S = 2.0
+
+
+class Trimtab:
+    """One control plane. `start()`, then `run(stop)` until `stop` is set."""
+
+    def __init__(self, config: Config, config_path: str | Path | None = None) -> None:
+        self.config = config
+        self.config_path = config_path
+        self.cache = SnapshotCache()
+        self.controller = Controller(config, self.cache)
+        self.servicer = XdsServicer(self.cache)
+        self._grpc: grpc.aio.Server | None = None
+        self._admin = None
+
+    def ready(self) -> bool:
+        return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
+
+    async def start(self) -> None:
+        self._grpc = await start_xds_server(self.servicer, self.config.xds.address)
+        admin = self.config.admin.host_port
+        self._admin = await start_admin(AdminApi(self.controller, self.ready), admin.host, admin.port)
+        log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
+                 self.config.admin.address, len(self.config.pools))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        try:
+            await self.controller.run(stop)
+        finally:
+            await self.close()
+
+    async def reload(self) -> bool:
+        """Re-read the config file. A bad file is reported and the last good config stays."""
+        if self.config_path is None:
+            return False
+        try:
+            config = load_config(self.config_path)
+        except ConfigError as exc:
+            log.error("reload refused, keeping the last good config:\n%s", exc)
+            return False
+        for key in ("xds", "admin"):
+            if getattr(config, key) != getattr(self.config, key):
+                log.warning("reload: %s.address changes need a restart; keeping %s", key,
+                            getattr(self.config, key).address)
+        self.config = config.model_copy(update={"xds": self.config.xds, "admin": self.config.admin})
+        await self.controller.reload(self.config)
+        log.info("reloaded config from %s", self.config_path)
+        return True
+
+    async def close(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop(SHUTDOWN_GRACE_S)
+            self._grpc = None
+        if self._admin is not None:
+            await self._admin.cleanup()
+            self._admin = None
+        await self.controller.close()

@@ -1,0 +1,193 @@
+"""The tick loop: telemetry -> weights -> resources -> snapshot -> cache.
+
+One tick every `telemetry.interval_seconds`. Telemetry I/O happens here, never in a stream's
+request loop. A snapshot is published only when its content changed, so an unchanged weight
+pushes nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from google.protobuf.message import Message
+
+from weight_calculator.gpu_memory import compute_pool_weights
+from weight_calculator.types import GpuMemoryPolicy, PoolWeights
+
+from . import metrics, type_urls
+from .cache import SnapshotCache
+from .config import Config
+from .resources import EndpointSetting, build_cluster, build_load_assignment
+from .routing import build_listener, build_route_config
+from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
+from .telemetry import Scraper, ScrapeResult, TelemetryStore
+
+log = logging.getLogger("trimtab.controller")
+
+Mutator = Callable[[dict[str, list[Message]]], None]
+
+
+@dataclass
+class TickStats:
+    ticks: int = 0
+    published: int = 0
+    rejected: int = 0
+    last_tick_at: float | None = None
+    last_error: str | None = None
+    stale: dict[str, bool] = field(default_factory=dict)  # "pool/address" -> stale
+
+
+class Controller:
+    def __init__(self, config: Config, cache: SnapshotCache, scraper: Scraper | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cache = cache
+        self.clock = clock
+        self.store = TelemetryStore()
+        self.weights: dict[str, PoolWeights] = {}
+        self.stats = TickStats()
+        self.mutators: list[Mutator] = []  # test-only hooks (see admin's /v1/test routes)
+        self._own_scraper = scraper is None
+        self.scraper = scraper or self._new_scraper(config)
+        self.apply_config(config)
+
+    @staticmethod
+    def _new_scraper(config: Config) -> Scraper:
+        return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
+
+    def apply_config(self, config: Config) -> None:
+        """Switch to a new (already validated) config; listener and routes are built here once."""
+        self.config = config
+        self.policy = GpuMemoryPolicy(stale_after_seconds=config.telemetry.stale_after_seconds,
+                                      max_weight=config.weights.max_weight)
+        self._clusters = [build_cluster(pool) for pool in config.pools]
+        self._listener = build_listener(config)
+        self._routes = build_route_config(config)
+        keep = {ep.address for pool in config.pools for ep in pool.endpoints}
+        self.store.forget(keep)
+        self.weights = {k: v for k, v in self.weights.items() if k in {p.name for p in config.pools}}
+
+    async def reload(self, config: Config) -> None:
+        """Apply a new validated config and publish at once (telemetry settings included)."""
+        if self._own_scraper and config.telemetry != self.config.telemetry:
+            old, self.scraper = self.scraper, self._new_scraper(config)
+            await old.close()
+        self.apply_config(config)
+        self.ingest({})
+        self.publish()
+
+    def targets(self) -> dict[str, str]:
+        return {ep.address: ep.scrape_url for pool in self.config.pools for ep in pool.endpoints}
+
+    async def tick(self) -> None:
+        started = time.perf_counter()
+        results = await self.scraper.scrape(self.targets(), self.clock)
+        self.ingest(results)
+        self.publish()
+        self.stats.ticks += 1
+        self.stats.last_tick_at = self.clock()
+        metrics.TICK_SECONDS.observe(time.perf_counter() - started)
+
+    def ingest(self, results: dict[str, ScrapeResult]) -> None:
+        """Record telemetry and recompute every pool's weights (pure function per pool)."""
+        for address, result in results.items():
+            self.store.record(address, result)
+        now = self.clock()
+        weights = {}
+        for pool in self.config.pools:
+            observations = self.store.observations(ep.address for ep in pool.endpoints)
+            weights[pool.name] = compute_pool_weights(observations, self.policy, now,
+                                                      self.weights.get(pool.name))
+            self._note_pool(pool.name, weights[pool.name], results)
+        self.weights = weights
+
+    def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
+        stale_count = 0
+        for address, ew in weights.endpoints.items():
+            key = f"{pool}/{address}"
+            if self.stats.stale.get(key, False) != ew.stale:
+                error = results[address].error if address in results else None
+                log.log(logging.WARNING if ew.stale else logging.INFO,
+                        "endpoint %s telemetry %s%s", key, "stale" if ew.stale else "recovered",
+                        f": {error}" if ew.stale and error else "")
+            self.stats.stale[key] = ew.stale
+            stale_count += ew.stale
+            metrics.ENDPOINT_WEIGHT.labels(pool=pool, endpoint=address).set(ew.weight)
+            metrics.ENDPOINT_STALE.labels(pool=pool, endpoint=address).set(int(ew.stale))
+            for signal, value in ew.signals.items():
+                metrics.ENDPOINT_SIGNAL.labels(pool=pool, endpoint=address, signal=signal).set(value)
+            if address in results and results[address].error:
+                metrics.SCRAPE_ERRORS.labels(pool=pool).inc()
+        metrics.STALE_ENDPOINTS.labels(pool=pool).set(stale_count)
+        metrics.POOL_FAIL_STATIC.labels(pool=pool).set(int(weights.fail_static))
+
+    def settings(self) -> dict[str, dict[str, EndpointSetting]]:
+        return {pool: {address: EndpointSetting(ew.weight) for address, ew in pw.endpoints.items()}
+                for pool, pw in self.weights.items()}
+
+    def resources(self) -> dict[str, list[Message]]:
+        settings = self.settings()
+        messages: dict[str, list[Message]] = {
+            type_urls.CLUSTER: list(self._clusters),
+            type_urls.ENDPOINT: [build_load_assignment(pool, settings.get(pool.name, {}))
+                                 for pool in self.config.pools],
+            type_urls.LISTENER: [self._listener],
+            type_urls.ROUTE: [self._routes],
+        }
+        for mutate in self.mutators:
+            mutate(messages)
+        return messages
+
+    def publish(self) -> bool:
+        """Build, check and publish a snapshot. An inconsistent one is refused (our fault):
+        logged, counted, and the last good snapshot stays in place."""
+        try:
+            snapshot = build_snapshot(self.resources())
+        except InconsistentSnapshotError as exc:
+            self.stats.rejected += 1
+            self.stats.last_error = str(exc)
+            metrics.SNAPSHOT_REJECTED.inc()
+            log.error("refusing snapshot, keeping the last good one: %s", exc)
+            return False
+        previous = self.cache.snapshot
+        if not self.cache.set_snapshot(snapshot):
+            return False
+        self.stats.published += 1
+        metrics.SNAPSHOTS.inc()
+        log.info("published snapshot %s (%s)", snapshot.version, _describe_change(previous, snapshot))
+        return True
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Tick on a fixed schedule until `stop` is set. A failing tick is logged, not fatal."""
+        interval = self.config.telemetry.interval_seconds
+        deadline = time.monotonic()
+        while not stop.is_set():
+            try:
+                await self.tick()
+            except Exception:  # noqa: BLE001 - the loop must survive any single tick
+                log.exception("telemetry tick failed")
+            deadline = max(deadline + interval, time.monotonic())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=deadline - time.monotonic())
+
+    async def close(self) -> None:
+        if self._own_scraper:
+            await self.scraper.close()
+
+
+def _describe_change(previous: Snapshot | None, snapshot: Snapshot) -> str:
+    if previous is None:
+        return "first snapshot"
+    parts = []
+    for type_url, items in snapshot.resources.items():
+        old = previous.of_type(type_url)
+        names = sorted(n for n, r in items.items() if n not in old or old[n].version != r.version)
+        gone = sorted(set(old) - set(items))
+        if names or gone:
+            parts.append(f"{type_urls.short_name(type_url)}: changed {names}"
+                         + (f" removed {gone}" if gone else ""))
+    return "; ".join(parts) or "no change"

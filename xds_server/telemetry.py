@@ -1,0 +1,226 @@
+"""GPU telemetry: parse DCGM exporter pages, scrape endpoints, keep the latest observations."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from weight_calculator.types import Observation, Sample
+
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+
+GpuKey = tuple[str, str]  # (gpu index label, UUID label)
+
+
+class MetricsFormatError(ValueError):
+    """A metrics page could not be turned into GPU memory signals."""
+
+
+def _read_series(text: str) -> tuple[dict[GpuKey, float], dict[GpuKey, float]]:
+    """Collect FB_USED / FB_FREE values per (gpu, UUID); ignore every other metric."""
+    series: dict[str, dict[GpuKey, float]] = {FB_USED: {}, FB_FREE: {}}
+    try:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                per_gpu = series.get(sample.name)
+                if per_gpu is None:
+                    continue
+                key = (sample.labels.get("gpu", ""), sample.labels.get("UUID", ""))
+                if key in per_gpu:
+                    raise MetricsFormatError(
+                        f"duplicate {sample.name} series for gpu={key[0]!r} UUID={key[1]!r}"
+                    )
+                per_gpu[key] = float(sample.value)
+    except MetricsFormatError:
+        raise
+    except Exception as exc:  # the parser raises bare ValueError/TypeError/IndexError
+        raise MetricsFormatError(f"not a Prometheus text page: {exc}") from exc
+    return series[FB_USED], series[FB_FREE]
+
+
+def _gpu_pct(key: GpuKey, used: float, free: float) -> float:
+    label = f"gpu={key[0]!r} UUID={key[1]!r}"
+    for name, value in ((FB_USED, used), (FB_FREE, free)):
+        if not math.isfinite(value) or value < 0:
+            raise MetricsFormatError(f"{name} for {label} is {value!r}")
+    if used + free == 0:
+        raise MetricsFormatError(f"{FB_USED} + {FB_FREE} is 0 for {label}")
+    return 100.0 * used / (used + free)
+
+
+def parse_dcgm_memory(text: str) -> dict[str, float]:
+    """Parse a DCGM exporter page into the busiest GPU's framebuffer use.
+
+    Returns ``{"gpu_mem_pct", "fb_used_mib", "fb_free_mib", "gpus"}`` where the first three
+    describe the GPU with the highest ``100*used/(used+free)``. Raises
+    :class:`MetricsFormatError` on unparsable pages, missing or unpaired series, and
+    NaN/infinite/negative/all-zero values.
+    """
+    used, free = _read_series(text)
+    if not used or not free:
+        missing = [name for name, s in ((FB_USED, used), (FB_FREE, free)) if not s]
+        raise MetricsFormatError(f"metrics missing from page: {', '.join(missing)}")
+    if used.keys() != free.keys():
+        unpaired = sorted(used.keys() ^ free.keys())
+        raise MetricsFormatError(f"{FB_USED}/{FB_FREE} not paired for (gpu, UUID) {unpaired}")
+    best_key, best_pct = None, -1.0
+    for key in sorted(used):
+        pct = _gpu_pct(key, used[key], free[key])
+        if pct > best_pct:
+            best_key, best_pct = key, pct
+    assert best_key is not None
+    return {
+        "gpu_mem_pct": best_pct,
+        "fb_used_mib": used[best_key],
+        "fb_free_mib": free[best_key],
+        "gpus": float(len(used)),
+    }
+
+
+@dataclass(frozen=True)
+class ScrapeResult:
+    """Outcome of scraping one endpoint: signals on success, ``"<kind>: <detail>"`` on error."""
+
+    signals: dict[str, float] | None
+    error: str | None
+    collected_at: float
+
+
+class Scraper:
+    """Scrapes many metrics URLs concurrently with a per-request timeout.
+
+    One ``aiohttp.ClientSession`` is created lazily on first use (inside the running loop)
+    and reused; call :meth:`close` when done. Use a Scraper from a single event loop.
+    """
+
+    def __init__(
+        self,
+        timeout_seconds: float,
+        max_concurrency: int = 64,
+        parse: Callable[[str], dict[str, float]] = parse_dcgm_memory,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    ) -> None:
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._timeout_seconds = timeout_seconds
+        self._max_concurrency = max_concurrency
+        self._parse = parse
+        self._max_body_bytes = max_body_bytes
+        self._semaphore: asyncio.Semaphore | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def _ensure_session(self) -> tuple[aiohttp.ClientSession, asyncio.Semaphore]:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self._max_concurrency)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self._timeout)
+        if self._semaphore is None:
+            self._semaphore = asyncio.Semaphore(self._max_concurrency)
+        return self._session, self._semaphore
+
+    async def close(self) -> None:
+        """Close the shared HTTP session (a later scrape opens a new one)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def scrape(
+        self, targets: Mapping[str, str], now: Callable[[], float]
+    ) -> dict[str, ScrapeResult]:
+        """Scrape every ``address -> metrics_url`` target; failures stay per endpoint."""
+        if not targets:
+            return {}
+        session, semaphore = self._ensure_session()
+        addresses = sorted(targets)
+        results = await asyncio.gather(
+            *(self._scrape_one(session, semaphore, targets[a], now) for a in addresses)
+        )
+        return dict(zip(addresses, results, strict=True))
+
+    async def _scrape_one(
+        self,
+        session: aiohttp.ClientSession,
+        semaphore: asyncio.Semaphore,
+        url: str,
+        now: Callable[[], float],
+    ) -> ScrapeResult:
+        async with semaphore:
+            try:
+                body = await self._fetch(session, url)
+            except (TimeoutError, aiohttp.ServerTimeoutError):
+                detail = f"no complete answer within {self._timeout_seconds:g}s"
+                return ScrapeResult(None, f"timeout: {detail}", now())
+            except aiohttp.ClientConnectionError as exc:
+                return ScrapeResult(None, f"connect: {_describe(exc)}", now())
+            except _FetchError as exc:
+                return ScrapeResult(None, f"{exc.kind}: {exc.detail}", now())
+            except aiohttp.ClientError as exc:
+                return ScrapeResult(None, f"fetch: {_describe(exc)}", now())
+            collected_at = now()
+        try:
+            signals = self._parse(body.decode("utf-8"))
+        except Exception as exc:  # a bad page must only fail this endpoint
+            return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
+        return ScrapeResult(signals, None, collected_at)
+
+    async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
+        async with session.get(url, headers={"Accept": "text/plain"}) as resp:
+            if resp.status != 200:
+                raise _FetchError("http", f"status {resp.status} {resp.reason or ''}".rstrip())
+            body = bytearray()
+            async for chunk in resp.content.iter_chunked(64 * 1024):
+                body.extend(chunk)
+                if len(body) > self._max_body_bytes:
+                    raise _FetchError("size", f"body larger than {self._max_body_bytes} bytes")
+            return bytes(body)
+
+
+class _FetchError(Exception):
+    """A metrics endpoint answered, but not with a usable body."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+        self.detail = detail
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+class TelemetryStore:
+    """The latest :class:`Observation` per endpoint address."""
+
+    def __init__(self) -> None:
+        self._observations: dict[str, Observation] = {}
+
+    def record(self, address: str, result: ScrapeResult) -> None:
+        """Success replaces the sample; failure keeps the last good sample and sets error."""
+        if result.error is None and result.signals is not None:
+            sample = Sample(collected_at=result.collected_at, signals=dict(result.signals))
+            self._observations[address] = Observation(sample=sample, error=None)
+            return
+        prior = self._observations.get(address)
+        error = result.error if result.error is not None else "scrape: no signals"
+        self._observations[address] = Observation(
+            sample=prior.sample if prior is not None else None, error=error
+        )
+
+    def observations(self, addresses: Iterable[str]) -> dict[str, Observation]:
+        """Observations for ``addresses`` (never-seen ones get ``Observation(None)``)."""
+        return {a: self._observations.get(a, Observation(sample=None)) for a in addresses}
+
+    def forget(self, keep: set[str]) -> None:
+        """Drop every endpoint not in ``keep``."""
+        for address in [a for a in self._observations if a not in keep]:
+            del self._observations[address]
