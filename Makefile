@@ -1,0 +1,35 @@
+# trimtab: `make demo` runs the main job, `make test` runs the tests. Both create .venv if missing.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo lint bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+test: venv  ## every test, the slow ones (real Envoy, Prometheus, backends) included
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-fast: venv  ## unit tests only
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) -m xds_server.demo
+
+lint: venv
+	$(VENV)/bin/ruff check xds_server weight_calculator tests benchmarks
+	$(VENV)/bin/mypy xds_server weight_calculator
+
+bench: venv
+	$(PY) benchmarks/push_latency.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
