@@ -35,7 +35,7 @@ class Trimtab:
         return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
 
     async def start(self) -> None:
-        self._grpc = await start_xds_server(self.servicer, self.config.xds.address)
+        self._grpc, self.xds_port = await start_xds_server(self.servicer, self.config.xds.address)
         admin = self.config.admin.host_port
         self._admin = await start_admin(AdminApi(self.controller, self.ready), admin.host, admin.port)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,

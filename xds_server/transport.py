@@ -181,7 +181,8 @@ class XdsServicer:
                   response.nonce, info.node_id, len(response.resources), len(response.removed))
 
 
-async def start_xds_server(servicer: XdsServicer, address: str) -> grpc.aio.Server:
+async def start_xds_server(servicer: XdsServicer, address: str) -> tuple[grpc.aio.Server, int]:
+    """Start serving on `address` (port 0 picks a free port). Returns the server and its port."""
     server = grpc.aio.server(options=[
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.max_receive_message_length", 16 * 1024 * 1024),
@@ -193,4 +194,4 @@ async def start_xds_server(servicer: XdsServicer, address: str) -> grpc.aio.Serv
     if port == 0:
         raise OSError(f"cannot bind the xDS gRPC server to {address}")
     await server.start()
-    return server
+    return server, port
