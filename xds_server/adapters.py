@@ -323,12 +323,16 @@ GpuKey = tuple[str, str]  # (gpu index label, UUID label)
 
 
 def _per_gpu(r: _Reader, name: str, gpu: str | None, uuid: str | None) -> dict[GpuKey, float]:
-    out: dict[GpuKey, float] = {}
+    """Value per (gpu, UUID) among the selected GPUs; duplicates keep the max (NaN wins)."""
+    grouped: dict[GpuKey, list[float]] = {}
     for labels, value in r.index.get(name, []):
         key = (labels.get("gpu", ""), labels.get("UUID", ""))
         if (gpu is None or key[0] == gpu) and (uuid is None or key[1] == uuid):
-            out[key] = max(value, out.get(key, value)) if math.isfinite(value) else value
-    return out
+            grouped.setdefault(key, []).append(value)
+    return {
+        key: math.nan if any(math.isnan(v) for v in values) else max(values)
+        for key, values in grouped.items()
+    }
 
 
 def _selection(gpu: str | None, uuid: str | None) -> str:

@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import grpc
+from aiohttp import web
 
 from .admin import AdminApi, start_admin
 from .cache import SnapshotCache
@@ -29,7 +30,8 @@ class Trimtab:
         self.controller = Controller(config, self.cache)
         self.servicer = XdsServicer(self.cache)
         self._grpc: grpc.aio.Server | None = None
-        self._admin = None
+        self.xds_port: int | None = None
+        self._admin: web.AppRunner | None = None
 
     def ready(self) -> bool:
         return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
