@@ -14,6 +14,9 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from weight_calculator.types import EndpointWeight
+
+from .config import EndpointConfig
 from .controller import Controller
 from .test_hooks import invalid_weight_mutator
 
@@ -26,22 +29,30 @@ def weights_document(controller: Controller) -> dict[str, Any]:
     """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at."""
     pools: dict[str, Any] = {}
     for pool in controller.config.pools:
-        computed = controller.weights.get(pool.name)
         endpoints = {}
-        for endpoint in pool.endpoints:
-            ew = computed.endpoints.get(endpoint.address) if computed else None
-            endpoints[endpoint.address] = {
-                "weight": ew.weight if ew else 1,
-                "stale": ew.stale if ew else True,
-                "saturated": ew.saturated if ew else True,
-                "drain": endpoint.drain,
-                "signals": dict(ew.signals) if ew else {},
-                "updated_at": ew.updated_at if ew else None,
-                "reason": ew.reason if ew else "no telemetry yet",
-            }
+        for cluster, version, members in pool.clusters():
+            computed = controller.weights.get(cluster)
+            for endpoint in members:
+                ew = computed.endpoints.get(endpoint.address) if computed else None
+                endpoints[endpoint.address] = _endpoint_document(endpoint, ew, cluster, version)
         pools[pool.name] = endpoints
     fail_static = sorted(p for p, w in controller.weights.items() if w.fail_static)
     return {"pools": pools, "fail_static_pools": fail_static}
+
+
+def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, cluster: str,
+                       version: str) -> dict[str, Any]:
+    return {
+        "weight": ew.weight if ew else 1,
+        "stale": ew.stale if ew else True,
+        "saturated": ew.saturated if ew else True,
+        "drain": endpoint.drain,
+        "signals": dict(ew.signals) if ew else {},
+        "updated_at": ew.updated_at if ew else None,
+        "reason": ew.reason if ew else "no telemetry yet",
+        "cluster": cluster,
+        "version": version,
+    }
 
 
 def _json(data: Any, status: int = 200) -> web.Response:

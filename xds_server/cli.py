@@ -56,7 +56,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    endpoints = sum(len(pool.endpoints) for pool in config.pools)
+    endpoints = sum(len(pool.all_endpoints()) for pool in config.pools)
     print(f"{args.config}: ok ({len(config.pools)} pools, {endpoints} endpoints)")
     return 0
 

@@ -133,11 +133,120 @@ class EndpointConfig(_Addressed):
         return self.metrics_url or f"http://{self.address}/metrics"
 
 
+class PromptClassConfig(_Model):
+    """Requests whose content-length is in [min_prompt_bytes, max_prompt_bytes) go to `pool`.
+    About 4 bytes of JSON per prompt token; see the README for the approximation's limits."""
+
+    pool: str = Field(min_length=1)
+    min_prompt_bytes: int = Field(ge=0)
+    max_prompt_bytes: int | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> PromptClassConfig:
+        if self.max_prompt_bytes is not None and self.max_prompt_bytes <= self.min_prompt_bytes:
+            raise ValueError(f"max_prompt_bytes ({self.max_prompt_bytes}) must be above "
+                             f"min_prompt_bytes ({self.min_prompt_bytes})")
+        return self
+
+    @property
+    def upper(self) -> int:
+        return self.max_prompt_bytes if self.max_prompt_bytes is not None else 2**63 - 1
+
+
+class VersionConfig(_Model):
+    endpoints: list[EndpointConfig] = Field(min_length=1)
+
+
+class GateConfig(_Model):
+    """SLO gates: the canary may be at most this much worse than stable."""
+
+    ttft_p95_tolerance: float = Field(0.20, ge=0)   # relative: 0.2 = 20 % slower allowed
+    itl_p95_tolerance: float = Field(0.20, ge=0)
+    error_rate_tolerance: float = Field(0.01, ge=0)  # absolute: 0.01 = one point more errors
+    min_requests: int = Field(20, ge=1)             # per version per step before judging
+
+
+class RolloutConfig(_Model):
+    start_percent: float = Field(10.0, gt=0, le=100)
+    step_percent: float = Field(5.0, gt=0, le=100)
+    step_interval_seconds: float = Field(300.0, gt=0)
+    max_percent: float = Field(100.0, gt=0, le=100)
+    gates: GateConfig = GateConfig()
+
+    @model_validator(mode="after")
+    def _ordered(self) -> RolloutConfig:
+        if self.max_percent < self.start_percent:
+            raise ValueError(f"max_percent ({self.max_percent}) is below start_percent "
+                             f"({self.start_percent})")
+        return self
+
+
+class RetryConfig(_Model):
+    retry_on: list[str] = ["connect-failure", "reset", "retriable-status-codes"]
+    retriable_status_codes: list[int] = [503]
+    num_retries: int = Field(2, ge=0, le=10)
+    per_try_timeout_seconds: float = Field(0.0, ge=0)  # 0: none (streams are long)
+    budget_percent: float = Field(20.0, gt=0, le=100)  # Envoy retry budget
+    min_retry_concurrency: int = Field(3, ge=0)
+
+
+class CircuitBreakerConfig(_Model):
+    max_connections: int = Field(100_000, ge=1)
+    max_pending_requests: int = Field(100_000, ge=1)
+    max_requests: int = Field(100_000, ge=1)
+
+
+class OutlierDetectionConfig(_Model):
+    enabled: bool = True
+    consecutive_5xx: int = Field(5, ge=1)
+    interval_seconds: float = Field(5.0, gt=0)
+    base_ejection_seconds: float = Field(30.0, gt=0)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class TimeoutConfig(_Model):
+    connect_seconds: float = Field(2.0, gt=0)
+    request_seconds: float = Field(0.0, ge=0)  # 0: no overall limit: LLM streams run for minutes
+    idle_seconds: float = Field(300.0, gt=0)   # a stream silent this long is closed
+
+
+class SlowStartConfig(_Model):
+    window_seconds: float = Field(30.0, gt=0)
+    aggression: float = Field(1.0, gt=0)
+    min_weight_percent: float = Field(10.0, ge=0, le=100)
+
+
+class AffinityConfig(_Model):
+    header: str = Field(min_length=1)
+    hash: Literal["ring_hash", "maglev"] = "ring_hash"
+
+
+class HealthCheckConfig(_Model):
+    path: str = "/health"
+    interval_seconds: float = Field(1.0, gt=0)
+    timeout_seconds: float = Field(1.0, gt=0)
+    unhealthy_threshold: int = Field(2, ge=1)
+    healthy_threshold: int = Field(1, ge=1)
+
+
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
     lb_policy: LbPolicy = "least_request"
-    endpoints: list[EndpointConfig] = Field(min_length=1)
+    endpoints: list[EndpointConfig] = Field(default_factory=list)
+    versions: dict[Literal["stable", "canary"], VersionConfig] | None = None
+    rollout: RolloutConfig | None = None
+    long_context: PromptClassConfig | None = None
+    prompt_classes: list[PromptClassConfig] = Field(default_factory=list)
+    fallback: str | None = None
+    retry_policy: RetryConfig = RetryConfig()
+    circuit_breakers: CircuitBreakerConfig = CircuitBreakerConfig()
+    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+    slow_start: SlowStartConfig | None = None
+    warmup_weight: int = Field(10, ge=1)
+    affinity: AffinityConfig | None = None
+    health_check: HealthCheckConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -146,6 +255,49 @@ class PoolConfig(_Model):
             raise ValueError(f"expected a cluster name without spaces or the reserved "
                              f"'trimtab-' prefix, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _endpoints_or_versions(self) -> PoolConfig:
+        if self.versions is None:
+            if not self.endpoints:
+                raise ValueError("needs `endpoints` (or `versions: {stable, canary}`)")
+            if self.rollout is not None:
+                raise ValueError("`rollout` needs `versions: {stable, canary}`")
+        elif self.endpoints:
+            raise ValueError("give either `endpoints` or `versions`, not both")
+        elif set(self.versions) != {"stable", "canary"}:
+            raise ValueError("`versions` needs both `stable` and `canary`")
+        if self.slow_start is not None and self.effective_lb_policy not in ("round_robin",
+                                                                            "least_request"):
+            raise ValueError("`slow_start` works only with round_robin or least_request "
+                             "(and not with affinity)")
+        return self
+
+    @property
+    def effective_lb_policy(self) -> str:
+        return self.affinity.hash if self.affinity is not None else self.lb_policy
+
+    @property
+    def canary_cluster(self) -> str:
+        return f"{self.name}-canary"
+
+    @property
+    def fallback_cluster(self) -> str:
+        return f"{self.name}-with-fallback"
+
+    def clusters(self) -> list[tuple[str, str, list[EndpointConfig]]]:
+        """(EDS cluster name, version, endpoints): the stable cluster keeps the pool's name."""
+        if self.versions is None:
+            return [(self.name, "stable", self.endpoints)]
+        return [(self.name, "stable", self.versions["stable"].endpoints),
+                (self.canary_cluster, "canary", self.versions["canary"].endpoints)]
+
+    def all_endpoints(self) -> list[EndpointConfig]:
+        return [ep for _, _, endpoints in self.clusters() for ep in endpoints]
+
+    def size_classes(self) -> list[PromptClassConfig]:
+        extra = [self.long_context] if self.long_context is not None else []
+        return [*self.prompt_classes, *extra]
 
 
 class Config(_Model):
@@ -201,25 +353,87 @@ def _duplicates(values: list[str]) -> list[tuple[int, int]]:
     return found
 
 
-def _cross_checks(config: Config) -> list[tuple[str, str]]:
+def _endpoint_paths(p_index: int, pool: PoolConfig) -> list[tuple[str, EndpointConfig]]:
+    if pool.versions is None:
+        return [(f"pools[{p_index}].endpoints[{i}]", ep) for i, ep in enumerate(pool.endpoints)]
+    return [(f"pools[{p_index}].versions.{version}.endpoints[{i}]", ep)
+            for version in ("stable", "canary")
+            for i, ep in enumerate(pool.versions[version].endpoints)]  # type: ignore[index]
+
+
+def _endpoint_checks(p_index: int, pool: PoolConfig) -> list[tuple[str, str]]:
+    problems = []
+    seen: dict[str, str] = {}
+    for path, endpoint in _endpoint_paths(p_index, pool):
+        address = str(endpoint.host_port)
+        if address in seen:
+            problems.append((f"{path}.address",
+                             f"duplicate endpoint address {address!r} (also {seen[address]})"))
+        seen.setdefault(address, path)
+        if not is_ip(endpoint.host_port.host):
+            problems.append((f"{path}.address", f"expected an IP address (EDS endpoints are "
+                                                f"IPs), got {endpoint.host_port.host!r}"))
+    return problems
+
+
+def _class_checks(p_index: int, pool: PoolConfig, names: set[str]) -> list[tuple[str, str]]:
+    problems = []
+    classes = [(f"pools[{p_index}].prompt_classes[{i}]", c) for i, c in enumerate(pool.prompt_classes)]
+    if pool.long_context is not None:
+        classes.append((f"pools[{p_index}].long_context", pool.long_context))
+    for index, (path, cls) in enumerate(classes):
+        if cls.pool not in names or cls.pool == pool.name:
+            problems.append((f"{path}.pool", f"expected another pool's name, got {cls.pool!r}"))
+        for other_path, other in classes[:index]:
+            if cls.min_prompt_bytes < other.upper and other.min_prompt_bytes < cls.upper:
+                problems.append((path, f"size range overlaps {other_path}"))
+    return problems
+
+
+def _fallback_checks(config: Config) -> list[tuple[str, str]]:
+    problems = []
+    by_name = {pool.name: pool for pool in config.pools}
+    for index, pool in enumerate(config.pools):
+        if pool.fallback is None:
+            continue
+        if pool.fallback not in by_name or pool.fallback == pool.name:
+            problems.append((f"pools[{index}].fallback",
+                             f"expected another pool's name, got {pool.fallback!r}"))
+            continue
+        chain, current = [pool.name], by_name[pool.fallback]
+        while current.fallback is not None and current.fallback in by_name:
+            chain.append(current.name)
+            if current.fallback in chain:
+                problems.append((f"pools[{index}].fallback", "fallback cycle: "
+                                 + " -> ".join([*chain, current.fallback])))
+                break
+            current = by_name[current.fallback]
+    return problems
+
+
+def _name_checks(config: Config) -> list[tuple[str, str]]:
     problems = []
     for index, first in _duplicates([p.name for p in config.pools]):
         problems.append((f"pools[{index}].name",
                          f"duplicate pool name {config.pools[index].name!r} (also pools[{first}])"))
-    for index, first in _duplicates([p.model for p in config.pools]):
+    class_targets = {c.pool for p in config.pools for c in p.size_classes()}
+    models = [p.model if p.name not in class_targets else f"\0{p.name}" for p in config.pools]
+    for index, first in _duplicates(models):
         problems.append((f"pools[{index}].model",
                          f"model {config.pools[index].model!r} is already served by pools[{first}]"))
+    derived = {n: p.name for p in config.pools for n in (p.canary_cluster, p.fallback_cluster)}
+    for index, pool in enumerate(config.pools):
+        if pool.name in derived:
+            problems.append((f"pools[{index}].name", f"{pool.name!r} clashes with a cluster "
+                             f"trimtab derives for pool {derived[pool.name]!r}"))
+    return problems
+
+
+def _cross_checks(config: Config) -> list[tuple[str, str]]:
+    problems = _name_checks(config) + _fallback_checks(config)
+    names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
-        addresses = [str(e.host_port) for e in pool.endpoints]
-        for index, first in _duplicates(addresses):
-            problems.append((f"pools[{p_index}].endpoints[{index}].address",
-                             f"duplicate endpoint address {addresses[index]!r} "
-                             f"(also endpoints[{first}])"))
-        for index, endpoint in enumerate(pool.endpoints):
-            if not is_ip(endpoint.host_port.host):
-                problems.append((f"pools[{p_index}].endpoints[{index}].address",
-                                 f"expected an IP address (EDS endpoints are IPs), "
-                                 f"got {endpoint.host_port.host!r}"))
+        problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
     return problems
 
 

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
@@ -22,7 +22,7 @@ from weight_calculator.types import GpuMemoryPolicy, PoolWeights
 from . import metrics, type_urls
 from .cache import SnapshotCache
 from .config import Config
-from .resources import EndpointSetting, build_cluster, build_load_assignment
+from .resources import EndpointSetting, build_clusters, build_load_assignment
 from .routing import build_listener, build_route_config
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
 from .telemetry import Scraper, ScrapeResult, TelemetryStore
@@ -51,6 +51,7 @@ class Controller:
         self.weights: dict[str, PoolWeights] = {}
         self.stats = TickStats()
         self.mutators: list[Mutator] = []  # test-only hooks (see admin's /v1/test routes)
+        self.canary_percent: dict[str, float] = {}
         self._own_scraper = scraper is None
         self.scraper = scraper or self._new_scraper(config)
         self.apply_config(config)
@@ -64,12 +65,18 @@ class Controller:
         self.config = config
         self.policy = GpuMemoryPolicy(stale_after_seconds=config.telemetry.stale_after_seconds,
                                       max_weight=config.weights.max_weight)
-        self._clusters = [build_cluster(pool) for pool in config.pools]
+        self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
-        self._routes = build_route_config(config)
-        keep = {ep.address for pool in config.pools for ep in pool.endpoints}
-        self.store.forget(keep)
-        self.weights = {k: v for k, v in self.weights.items() if k in {p.name for p in config.pools}}
+        self._routes = build_route_config(config, self.canary_percent)
+        self.store.forget({ep.address for pool in config.pools for ep in pool.all_endpoints()})
+        names = {name for pool in config.pools for name, _, _ in pool.clusters()}
+        self.weights = {k: v for k, v in self.weights.items() if k in names}
+
+    def set_canary_percent(self, percent: Mapping[str, float]) -> None:
+        """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
+        if dict(percent) != self.canary_percent:
+            self.canary_percent = dict(percent)
+            self._routes = build_route_config(self.config, self.canary_percent)
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included)."""
@@ -81,7 +88,8 @@ class Controller:
         self.publish()
 
     def targets(self) -> dict[str, str]:
-        return {ep.address: ep.scrape_url for pool in self.config.pools for ep in pool.endpoints}
+        return {ep.address: ep.scrape_url for pool in self.config.pools
+                for ep in pool.all_endpoints()}
 
     async def tick(self) -> None:
         started = time.perf_counter()
@@ -99,10 +107,11 @@ class Controller:
         now = self.clock()
         weights = {}
         for pool in self.config.pools:
-            observations = self.store.observations(ep.address for ep in pool.endpoints)
-            weights[pool.name] = compute_pool_weights(observations, self.policy, now,
-                                                      self.weights.get(pool.name))
-            self._note_pool(pool.name, weights[pool.name], results)
+            for cluster, _, endpoints in pool.clusters():
+                observations = self.store.observations(ep.address for ep in endpoints)
+                weights[cluster] = compute_pool_weights(observations, self.policy, now,
+                                                        self.weights.get(cluster))
+                self._note_pool(cluster, weights[cluster], results)
         self.weights = weights
 
     def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
@@ -126,15 +135,18 @@ class Controller:
         metrics.POOL_FAIL_STATIC.labels(pool=pool).set(int(weights.fail_static))
 
     def settings(self) -> dict[str, dict[str, EndpointSetting]]:
-        return {pool: {address: EndpointSetting(ew.weight) for address, ew in pw.endpoints.items()}
-                for pool, pw in self.weights.items()}
+        """cluster -> address -> EDS setting."""
+        return {cluster: {address: EndpointSetting(ew.weight)
+                          for address, ew in pw.endpoints.items()}
+                for cluster, pw in self.weights.items()}
 
     def resources(self) -> dict[str, list[Message]]:
         settings = self.settings()
         messages: dict[str, list[Message]] = {
             type_urls.CLUSTER: list(self._clusters),
-            type_urls.ENDPOINT: [build_load_assignment(pool, settings.get(pool.name, {}))
-                                 for pool in self.config.pools],
+            type_urls.ENDPOINT: [build_load_assignment(name, endpoints, settings.get(name, {}))
+                                 for pool in self.config.pools
+                                 for name, _, endpoints in pool.clusters()],
             type_urls.LISTENER: [self._listener],
             type_urls.ROUTE: [self._routes],
         }

@@ -14,6 +14,7 @@ These depend on the config only, so they are built once per config, not per tick
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from typing import Any
 
 from envoy.config.listener.v3 import listener_pb2
@@ -23,9 +24,10 @@ from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
     http_connection_manager_pb2,
 )
+from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
 from google.protobuf import json_format
 
-from .config import Config, parse_host_port
+from .config import Config, PoolConfig, parse_host_port
 
 LISTENER_NAME = "trimtab-listener"
 ROUTE_CONFIG_NAME = "trimtab-routes"
@@ -35,10 +37,54 @@ ROUTE_IDLE_TIMEOUT = "300s"
 MAX_BODY_BYTES = 8 * 1024 * 1024  # json_to_metadata buffers the body; long prompts are large
 _FILTERS = "type.googleapis.com/envoy.extensions.filters"
 _JSON_CONTENT_TYPE = r"(?i)^application/json\s*(;.*)?$"
+_PREVIOUS_HOSTS = ("type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
+                   "PreviousHostsPredicate")
 
 
-def _forward(cluster: str) -> dict[str, Any]:
-    return {"cluster": cluster, "timeout": "0s", "idle_timeout": ROUTE_IDLE_TIMEOUT}
+CANARY_HEADER = "x-canary-version"
+_MAX_INT64 = 2**63 - 1
+
+
+def _retry_policy(pool: PoolConfig) -> dict[str, Any]:
+    retry = pool.retry_policy
+    policy: dict[str, Any] = {
+        "retry_on": ",".join(retry.retry_on),
+        "num_retries": retry.num_retries,
+        "retriable_status_codes": retry.retriable_status_codes,
+        "retry_host_predicate": [{"name": "envoy.retry_host_predicates.previous_hosts",
+                                  "typed_config": {"@type": _PREVIOUS_HOSTS}}],
+        "host_selection_retry_max_attempts": 5,
+    }
+    if retry.per_try_timeout_seconds > 0:
+        policy["per_try_timeout"] = _seconds(retry.per_try_timeout_seconds)
+    return policy
+
+
+def _seconds(value: float) -> str:
+    return f"{value:.3f}s"
+
+
+def _action(pool: PoolConfig, canary_percent: float, version: str | None = None) -> dict[str, Any]:
+    """Where a request for `pool` goes: its stable cluster (through the fallback aggregate when
+    there is one), split with the canary by `canary_percent`, or the version a header forces."""
+    stable = pool.fallback_cluster if pool.fallback is not None else pool.name
+    action: dict[str, Any] = {
+        "timeout": _seconds(pool.timeouts.request_seconds),
+        "idle_timeout": _seconds(pool.timeouts.idle_seconds),
+        "retry_policy": _retry_policy(pool),
+    }
+    share = round(canary_percent * 10)  # per mille, so fractional percents survive
+    if version == "canary" or (version is None and pool.versions and share >= 1000):
+        action["cluster"] = pool.canary_cluster
+    elif version == "stable" or not pool.versions or share <= 0:
+        action["cluster"] = stable
+    else:
+        action["weighted_clusters"] = {"clusters": [
+            {"name": stable, "weight": 1000 - share},
+            {"name": pool.canary_cluster, "weight": share}]}
+    if pool.affinity is not None:
+        action["hash_policy"] = [{"header": {"header_name": pool.affinity.header}}]
+    return action
 
 
 def _json_error(name: str, match: dict[str, Any], status: int, code: str, message: str
@@ -55,39 +101,78 @@ def _json_error(name: str, match: dict[str, Any], status: int, code: str, messag
     }
 
 
-def _body_model(value: dict[str, Any]) -> dict[str, Any]:
-    return {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
-                                  "value": value}]}
+def _model_match(source: str, model: str, extra_headers: list[dict[str, Any]]) -> dict[str, Any]:
+    if source == "header":
+        header = {"name": MODEL_HEADER, "string_match": {"exact": model}}
+        return {"prefix": "/", "headers": [header, *extra_headers]}
+    metadata = [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
+                 "value": {"string_match": {"exact": model}}}]
+    match: dict[str, Any] = {"prefix": "/", "dynamic_metadata": metadata}
+    if extra_headers:
+        match["headers"] = extra_headers
+    return match
 
 
-def model_routes(config: Config) -> list[dict[str, Any]]:
+def _pool_routes(config: Config, pool: PoolConfig, source: str,
+                 canary: Mapping[str, float]) -> list[dict[str, Any]]:
+    """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
+    routes = []
+    percent = canary.get(pool.name, 0.0)
+    if pool.versions is not None:
+        for version in ("canary", "stable"):
+            forced = {"name": CANARY_HEADER, "string_match": {"exact": version}}
+            routes.append({"name": f"{source}:{pool.name}:{version}",
+                           "match": _model_match(source, pool.model, [forced]),
+                           "route": _action(pool, percent, version)})
+    for index, size in enumerate(pool.size_classes()):
+        target = config.pool(size.pool)
+        length = {"name": "content-length",
+                  "range_match": {"start": size.min_prompt_bytes, "end": size.upper}}
+        routes.append({"name": f"{source}:{pool.name}:size{index}",
+                       "match": _model_match(source, pool.model, [length]),
+                       "route": _action(target, canary.get(target.name, 0.0))})
+    routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
+                   "route": _action(pool, percent)})
+    return routes
+
+
+def model_routes(config: Config, canary: Mapping[str, float] | None = None
+                 ) -> list[dict[str, Any]]:
     """Header routes, then body routes, then the unknown-model and no-model answers."""
+    canary = canary or {}
+    routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
     routes: list[dict[str, Any]] = []
-    for pool in config.pools:
-        header = {"name": MODEL_HEADER, "string_match": {"exact": pool.model}}
-        routes.append({"name": f"header:{pool.name}", "match": {"prefix": "/", "headers": [header]},
-                       "route": _forward(pool.name)})
+    for pool in routable:
+        routes += _pool_routes(config, pool, "header", canary)
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
-    for pool in config.pools:
-        routes.append({"name": f"body:{pool.name}",
-                       "match": {"prefix": "/", **_body_model({"string_match": {"exact": pool.model}})},
-                       "route": _forward(pool.name)})
-    routes.append(_json_error("body:unknown", _body_model({"present_match": True}), 404,
-                              "model_not_found", "The requested model is not served here."))
-    if len(config.pools) == 1:
+    for pool in routable:
+        routes += _pool_routes(config, pool, "body", canary)
+    unknown = {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
+                                     "value": {"present_match": True}}]}
+    routes.append(_json_error("body:unknown", unknown, 404, "model_not_found",
+                              "The requested model is not served here."))
+    if len(routable) == 1:
         routes.append({"name": "default", "match": {"prefix": "/"},
-                       "route": _forward(config.pools[0].name)})
+                       "route": _action(routable[0], canary.get(routable[0].name, 0.0))})
     else:
         routes.append(_json_error("no-model", {}, 400, "model_required",
                                   "Name a model in the JSON body or the x-model header."))
     return routes
 
 
-def build_route_config(config: Config) -> route_pb2.RouteConfiguration:
+def _class_only(config: Config) -> set[str]:
+    """Pools that only serve another pool's size class and share its model name."""
+    models = {pool.name: pool.model for pool in config.pools}
+    return {size.pool for pool in config.pools for size in pool.size_classes()
+            if models.get(size.pool) == pool.model}
+
+
+def build_route_config(config: Config, canary: Mapping[str, float] | None = None
+                       ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
-        {"name": "models", "domains": ["*"], "routes": model_routes(config)}]}
+        {"name": "models", "domains": ["*"], "routes": model_routes(config, canary)}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 

@@ -23,6 +23,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
+from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
@@ -134,6 +135,14 @@ def _route_clusters(route_config: route_pb2.RouteConfiguration) -> list[str]:
     return names
 
 
+def _aggregate_members(cluster: cluster_pb2.Cluster) -> list[str]:
+    if cluster.cluster_type.name != "envoy.clusters.aggregate":
+        return []
+    config = aggregate_pb2.ClusterConfig()
+    cluster.cluster_type.typed_config.Unpack(config)
+    return list(config.clusters)
+
+
 def _eds_name(cluster: cluster_pb2.Cluster) -> str | None:
     if cluster.type != cluster_pb2.Cluster.EDS:
         return None
@@ -155,6 +164,8 @@ def check_consistency(resources: Mapping[str, Mapping[str, Resource]]) -> list[s
         eds = _eds_name(res.message)  # type: ignore[arg-type]
         if eds is not None:
             problems += _dangling("EDS", "cluster", name, eds, resources.get(type_urls.ENDPOINT, {}))
+        for member in _aggregate_members(res.message):  # type: ignore[arg-type]
+            problems += _dangling("cluster", "aggregate cluster", name, member, clusters)
     for name, res in resources.get(type_urls.LISTENER, {}).items():
         for route_name in _hcm_route_names(res.message):  # type: ignore[arg-type]
             problems += _dangling("RDS", "listener", name, route_name,

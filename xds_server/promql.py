@@ -1,0 +1,203 @@
+"""Read endpoint signals from a Prometheus server instead of scraping every endpoint.
+
+One :class:`PromQLSource` runs one instant query (``/api/v1/query``) per signal per tick,
+all concurrently, and maps each result series to an endpoint address through one label
+(``instance`` by default, i.e. the ``host:port`` Prometheus scraped). A failing query only
+loses its own signal: the error is reported per signal in :class:`PromQLResult.errors`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+DEFAULT_TIMEOUT_SECONDS = 2.0
+DEFAULT_RATE_WINDOW = "1m"
+
+
+def default_queries(
+    label: str = "instance", rate_window: str = DEFAULT_RATE_WINDOW
+) -> dict[str, str]:
+    """Default signal -> PromQL map for vLLM plus DCGM, aggregated ``by (label)``.
+
+    ``itl_ms`` is the mean inter-token latency over ``rate_window`` (NaN, hence dropped,
+    while an endpoint has no traffic). ``gpu_mem_pct`` assumes the DCGM series carry the
+    same ``label`` value as the model server (e.g. a per-pod ``pod`` label, or an exporter
+    scraped under the model server's ``instance``); otherwise override it, for example with
+    ``label_replace``.
+    """
+    by = f"by ({label})"
+    itl = "vllm:inter_token_latency_seconds"
+    return {
+        "kv_usage": f"max {by} (vllm:kv_cache_usage_perc)",
+        "queue": f"sum {by} (vllm:num_requests_waiting)",
+        "running": f"sum {by} (vllm:num_requests_running)",
+        "itl_ms": (
+            f"1000 * sum {by} (rate({itl}_sum[{rate_window}]))"
+            f" / sum {by} (rate({itl}_count[{rate_window}]))"
+        ),
+        "gpu_mem_pct": (
+            f"max {by} (100 * DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE))"
+        ),
+    }
+
+
+class PromQLError(Exception):
+    """A query's answer could not be used (``str(exc)`` is ``"<kind>: <detail>"``)."""
+
+
+@dataclass(frozen=True)
+class PromQLResult:
+    """One tick of queries.
+
+    ``values`` maps endpoint address -> signal -> value (only addresses with at least one
+    value appear); ``errors`` maps each failed signal to ``"<kind>: <detail>"`` (kinds:
+    ``connect``, ``timeout``, ``http``, ``prometheus``, ``format``); ``problems`` lists
+    series that were skipped (missing label, non-finite value, duplicate address).
+    """
+
+    values: dict[str, dict[str, float]]
+    errors: dict[str, str] = field(default_factory=dict)
+    problems: tuple[str, ...] = ()
+
+
+def _series_value(series: Any) -> float:
+    try:
+        return float(series["value"][1])
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise PromQLError(f"format: bad sample {series!r}") from exc
+
+
+def _answer(body: bytes | str) -> Mapping[str, Any]:
+    """The ``data`` of a successful API answer; raises :class:`PromQLError` otherwise."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise PromQLError(f"format: answer is not JSON: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise PromQLError("format: answer is not a JSON object")
+    if doc.get("status") != "success":
+        kind, detail = doc.get("errorType", "unknown"), doc.get("error", "no error text")
+        raise PromQLError(f"prometheus: {kind}: {detail}")
+    data = doc.get("data")
+    if not isinstance(data, dict) or data.get("resultType") != "vector":
+        kind = data.get("resultType") if isinstance(data, dict) else None
+        raise PromQLError(f"format: expected an instant vector, got resultType={kind!r}")
+    if not isinstance(data.get("result"), list):
+        raise PromQLError("format: data.result is not a list")
+    return data
+
+
+def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[str]]:
+    """Parse an ``/api/v1/query`` answer into ``label value -> float``, plus problems.
+
+    Series without ``label`` or with a non-finite value are skipped; if two series share a
+    label value the larger value is kept (and reported). Raises :class:`PromQLError` for an
+    error answer, a non-vector result or malformed JSON.
+    """
+    values: dict[str, float] = {}
+    problems: list[str] = []
+    for series in _answer(body)["result"]:
+        metric = series.get("metric", {}) if isinstance(series, dict) else {}
+        key = metric.get(label)
+        value = _series_value(series)
+        if key is None:
+            problems.append(f"series {metric} has no {label!r} label")
+        elif not math.isfinite(value):
+            problems.append(f"{label}={key!r} is {value!r}")
+        elif key in values:
+            problems.append(f"{label}={key!r} appears twice; kept the larger value")
+            values[key] = max(values[key], value)
+        else:
+            values[key] = value
+    return values, problems
+
+
+class PromQLSource:
+    """Runs one instant query per signal against a Prometheus server, concurrently.
+
+    ``queries`` maps our signal names (``kv_usage``, ``queue``, ``itl_ms``...) to PromQL;
+    each query should return one series per endpoint carrying ``label``. ``address_of``
+    maps label values to endpoint addresses; label values it does not list are ignored.
+    Without it the label value *is* the address. The HTTP session is created lazily inside
+    the running loop; call :meth:`close` when done. Use from a single event loop.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        label: str = "instance",
+        queries: Mapping[str, str] | None = None,
+        address_of: Mapping[str, str] | None = None,
+        timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+    ) -> None:
+        if not timeout_seconds > 0:
+            raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        self.url = base_url.rstrip("/") + "/api/v1/query"
+        self.label = label
+        self.queries = dict(queries) if queries is not None else default_queries(label)
+        if not self.queries:
+            raise ValueError("queries must not be empty")
+        self.address_of = dict(address_of) if address_of is not None else None
+        self._timeout_seconds = timeout_seconds
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        """Close the HTTP session (a later :meth:`fetch` opens a new one)."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def fetch(self) -> PromQLResult:
+        """Run every query once; a failed query only fails its own signal."""
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=self._timeout_seconds)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        signals = sorted(self.queries)
+        answers = await asyncio.gather(*(self._query(self._session, s) for s in signals))
+        values: dict[str, dict[str, float]] = {}
+        errors: dict[str, str] = {}
+        problems: list[str] = []
+        for signal, answer in zip(signals, answers, strict=True):
+            if isinstance(answer, str):
+                errors[signal] = answer
+                continue
+            per_label, found = answer
+            problems += [f"{signal}: {p}" for p in found]
+            for key, value in per_label.items():
+                address = self._address(key)
+                if address is not None:
+                    values.setdefault(address, {})[signal] = value
+        return PromQLResult(values=values, errors=errors, problems=tuple(problems))
+
+    def _address(self, key: str) -> str | None:
+        return key if self.address_of is None else self.address_of.get(key)
+
+    async def _query(
+        self, session: aiohttp.ClientSession, signal: str
+    ) -> tuple[dict[str, float], list[str]] | str:
+        """The parsed answer, or an ``"<kind>: <detail>"`` error string."""
+        try:
+            async with session.get(self.url, params={"query": self.queries[signal]}) as resp:
+                body = await resp.read()
+                status, reason = resp.status, resp.reason
+        except (TimeoutError, aiohttp.ServerTimeoutError):
+            return f"timeout: no answer within {self._timeout_seconds:g}s"
+        except aiohttp.ClientConnectionError as exc:
+            return f"connect: {type(exc).__name__}: {exc}"
+        except aiohttp.ClientError as exc:
+            return f"http: {type(exc).__name__}: {exc}"
+        try:
+            parsed = parse_vector(body, self.label)
+        except PromQLError as exc:
+            return str(exc) if status == 200 else f"http: status {status} {reason}; {exc}"
+        if status != 200:
+            return f"http: status {status} {reason or ''}".rstrip()
+        return parsed
