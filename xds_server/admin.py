@@ -16,9 +16,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from weight_calculator.types import EndpointWeight
 
+from . import type_urls
 from .config import EndpointConfig
 from .controller import Controller
+from .nack_log import NackLog
 from .test_hooks import invalid_weight_mutator
+from .transport import XdsServicer
 
 log = logging.getLogger("trimtab.admin")
 
@@ -76,10 +79,30 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return json_error(500, "internal error; see the trimtab log")
 
 
+def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
+    """Per connected stream: node, API, and per type what was sent and ACKed."""
+    streams = []
+    for info in sorted(servicer.streams if servicer else [], key=lambda i: (i.node_id, i.peer)):
+        types = {}
+        for type_url, state in sorted(info.machine.types.items()):
+            types[type_urls.short_name(type_url)] = {
+                "acked_version": state.acked_version,
+                "pending_nonce": state.pending_nonce,
+                "wildcard": state.wildcard,
+                "resources": dict(sorted(state.sent.items())),
+            }
+        streams.append({"node": info.node_id, "peer": info.peer, "api": info.api,
+                        "service": info.service, "types": types})
+    return {"streams": streams}
+
+
 class AdminApi:
-    def __init__(self, controller: Controller, is_ready: Callable[[], bool]) -> None:
+    def __init__(self, controller: Controller, is_ready: Callable[[], bool],
+                 servicer: XdsServicer | None = None, nacks: NackLog | None = None) -> None:
         self.controller = controller
         self.is_ready = is_ready
+        self.servicer = servicer
+        self.nacks = nacks
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors])
@@ -87,6 +110,9 @@ class AdminApi:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
         app.router.add_get("/v1/weights", self.weights)
+        app.router.add_get("/v1/snapshot", self.snapshot)
+        app.router.add_get("/v1/nacks", self.nack_list)
+        app.router.add_get("/v1/config", self.effective_config)
         if os.environ.get(TEST_HOOKS_ENV) == "1":
             log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
             app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
@@ -106,6 +132,22 @@ class AdminApi:
 
     async def weights(self, request: web.Request) -> web.Response:
         return _json(weights_document(self.controller))
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        current = self.controller.cache.snapshot
+        document = snapshot_document(self.servicer)
+        document["current"] = ({"version": current.version, "types": {
+            type_urls.short_name(t): {"version": current.versions[t], "resources": {
+                name: res.version for name, res in current.of_type(t).items()}}
+            for t in current.resources}} if current is not None else None)
+        return _json(document)
+
+    async def nack_list(self, request: web.Request) -> web.Response:
+        return _json({"total": self.nacks.total if self.nacks else 0,
+                      "recent": self.nacks.recent() if self.nacks else []})
+
+    async def effective_config(self, request: web.Request) -> web.Response:
+        return _json(self.controller.config.model_dump(mode="json"))
 
     async def inject_invalid(self, request: web.Request) -> web.Response:
         """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""

@@ -13,6 +13,7 @@ from .admin import AdminApi, start_admin
 from .cache import SnapshotCache
 from .config import Config, ConfigError, load_config
 from .controller import Controller
+from .nack_log import NackLog
 from .transport import XdsServicer, start_xds_server
 
 log = logging.getLogger("trimtab")
@@ -28,7 +29,8 @@ class Trimtab:
         self.config_path = config_path
         self.cache = SnapshotCache()
         self.controller = Controller(config, self.cache)
-        self.servicer = XdsServicer(self.cache)
+        self.nacks = NackLog()
+        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
         self._admin: web.AppRunner | None = None
@@ -39,7 +41,8 @@ class Trimtab:
     async def start(self) -> None:
         self._grpc, self.xds_port = await start_xds_server(self.servicer, self.config.xds.address)
         admin = self.config.admin.host_port
-        self._admin = await start_admin(AdminApi(self.controller, self.ready), admin.host, admin.port)
+        api = AdminApi(self.controller, self.ready, self.servicer, self.nacks)
+        self._admin = await start_admin(api, admin.host, admin.port)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
                  self.config.admin.address, len(self.config.pools))
 

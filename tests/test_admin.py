@@ -1,0 +1,84 @@
+"""Admin API over real HTTP (aiohttp test server), fed by a controller with a fake scraper."""
+
+from __future__ import annotations
+
+import asyncio
+
+from aiohttp.test_utils import TestClient, TestServer
+from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest
+
+from tests.test_controller import CONFIG, FakeScraper
+from xds_server import type_urls as T
+from xds_server.admin import AdminApi
+from xds_server.cache import SnapshotCache
+from xds_server.controller import Controller
+from xds_server.nack_log import NackLog
+from xds_server.protocol import SotwStream
+from xds_server.transport import StreamInfo, XdsServicer
+
+
+def _setup():
+    scraper = FakeScraper()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0}  # q's endpoint is down
+    cache = SnapshotCache()
+    controller = Controller(CONFIG, cache, scraper=scraper, clock=lambda: 1000.0)
+    servicer = XdsServicer(cache)
+    nacks = NackLog(clock=lambda: 5.0)
+    return controller, servicer, nacks
+
+
+async def _run(body):
+    controller, servicer, nacks = _setup()
+    ready = {"value": False}
+    api = AdminApi(controller, lambda: ready["value"], servicer, nacks)
+    async with TestClient(TestServer(api.app())) as client:
+        await body(client, controller, servicer, nacks, ready)
+
+
+def test_health_and_readiness():
+    async def body(client, controller, servicer, nacks, ready):
+        assert (await client.get("/healthz")).status == 200
+        assert (await client.get("/readyz")).status == 503
+        ready["value"] = True
+        assert (await client.get("/readyz")).status == 200
+    asyncio.run(_run(body))
+
+
+def test_weights_document_shape():
+    async def body(client, controller, servicer, nacks, ready):
+        await controller.tick()
+        doc = await (await client.get("/v1/weights")).json()
+        p = doc["pools"]["p"]
+        assert p["10.0.0.1:80"]["weight"] == 90 and p["10.0.0.2:80"]["weight"] == 60
+        assert p["10.0.0.1:80"]["stale"] is False
+        assert p["10.0.0.1:80"]["signals"]["gpu_mem_pct"] == 20.0
+        assert isinstance(p["10.0.0.1:80"]["updated_at"], float)
+        assert doc["pools"]["q"]["10.0.1.1:80"]["stale"] is True
+    asyncio.run(_run(body))
+
+
+def test_snapshot_nacks_config_and_metrics():
+    async def body(client, controller, servicer, nacks, ready):
+        await controller.tick()
+        machine = SotwStream()
+        machine.receive(DiscoveryRequest(type_url=T.CLUSTER, node={"id": "envoy-7"}))
+        [resp] = machine.responses(controller.cache.snapshot)
+        info = StreamInfo("ipv4:127.0.0.1:5", "sotw", "ADS", machine)
+        servicer.streams.add(info)
+        events = machine.receive(DiscoveryRequest(type_url=T.CLUSTER, response_nonce=resp.nonce,
+                                                  error_detail={"message": "bad cluster"}))
+        nacks.observe(info, events[0])
+        snap = await (await client.get("/v1/snapshot")).json()
+        assert snap["streams"][0]["node"] == "envoy-7"
+        assert set(snap["streams"][0]["types"]["cds"]["resources"]) == {"p", "q"}
+        assert snap["current"]["types"]["eds"]["resources"].keys() == {"p", "q"}
+        recent = await (await client.get("/v1/nacks")).json()
+        assert recent["total"] == 1 and recent["recent"][0]["detail"] == "bad cluster"
+        assert recent["recent"][0]["type"] == "cds" and recent["recent"][0]["node"] == "envoy-7"
+        config = await (await client.get("/v1/config")).json()
+        assert config["pools"][0]["name"] == "p"
+        metrics = await (await client.get("/metrics")).text()
+        assert 'trimtab_endpoint_weight{endpoint="10.0.0.1:80",pool="p"} 90.0' in metrics
+        missing = await client.get("/v1/nope")
+        assert missing.status == 404 and (await missing.json())["error"]["status"] == 404
+    asyncio.run(_run(body))

@@ -1,0 +1,46 @@
+"""A bounded record of recent NACKs, for `/v1/nacks` and the status page."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from . import type_urls
+from .protocol import Event, Nack
+from .transport import StreamInfo
+
+DETAIL_LIMIT = 4000  # NACK texts embed the whole resource; keep the head
+
+
+@dataclass(frozen=True)
+class NackRecord:
+    at: float
+    node: str
+    peer: str
+    api: str
+    type: str
+    nonce: str
+    rejected: dict[str, str]
+    detail: str
+
+
+class NackLog:
+    def __init__(self, limit: int = 100, clock: Callable[[], float] = time.time) -> None:
+        self._records: deque[NackRecord] = deque(maxlen=limit)
+        self._clock = clock
+        self.total = 0
+
+    def observe(self, info: StreamInfo, event: Event) -> None:
+        if not isinstance(event, Nack):
+            return
+        self.total += 1
+        self._records.append(NackRecord(
+            at=self._clock(), node=info.node_id, peer=info.peer, api=info.api,
+            type=type_urls.short_name(event.type_url), nonce=event.nonce,
+            rejected=dict(event.rejected), detail=event.detail[:DETAIL_LIMIT]))
+
+    def recent(self) -> list[dict[str, Any]]:
+        return [asdict(record) for record in reversed(self._records)]
