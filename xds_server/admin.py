@@ -20,12 +20,14 @@ from . import type_urls
 from .config import EndpointConfig
 from .controller import Controller
 from .nack_log import NackLog
+from .rollout import RolloutCommandError
 from .test_hooks import invalid_weight_mutator
 from .transport import XdsServicer
 
 log = logging.getLogger("trimtab.admin")
 
 TEST_HOOKS_ENV = "TRIMTAB_TEST_HOOKS"
+ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
 
 
 def weights_document(controller: Controller) -> dict[str, Any]:
@@ -113,6 +115,8 @@ class AdminApi:
         app.router.add_get("/v1/snapshot", self.snapshot)
         app.router.add_get("/v1/nacks", self.nack_list)
         app.router.add_get("/v1/config", self.effective_config)
+        app.router.add_get("/v1/rollouts", self.rollout_list)
+        app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
         if os.environ.get(TEST_HOOKS_ENV) == "1":
             log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
             app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
@@ -148,6 +152,22 @@ class AdminApi:
 
     async def effective_config(self, request: web.Request) -> web.Response:
         return _json(self.controller.config.model_dump(mode="json"))
+
+    async def rollout_list(self, request: web.Request) -> web.Response:
+        return _json({"rollouts": self.controller.rollouts.document()})
+
+    async def rollout_command(self, request: web.Request) -> web.Response:
+        pool, action = request.match_info["pool"], request.match_info["action"]
+        if pool not in self.controller.rollouts.pools:
+            return json_error(404, f"no rollout for pool {pool!r} (a pool needs `versions`)")
+        try:
+            state = self.controller.rollouts.command(pool, action, self.controller.clock())
+        except RolloutCommandError as exc:
+            return json_error(409 if action in ROLLOUT_ACTIONS else 400, str(exc))
+        self.controller.set_canary_percent(self.controller.rollouts.percents())
+        self.controller.publish()
+        return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
+                      "phase": state.phase, "percent": state.percent})
 
     async def inject_invalid(self, request: web.Request) -> web.Response:
         """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""

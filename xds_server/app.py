@@ -21,6 +21,13 @@ log = logging.getLogger("trimtab")
 SHUTDOWN_GRACE_S = 2.0
 
 
+def state_file_path(config: Config, config_path: str | Path | None) -> Path:
+    path = Path(config.rollouts.state_file)
+    if not path.is_absolute() and config_path is not None:
+        path = Path(config_path).resolve().parent / path
+    return path
+
+
 class Trimtab:
     """One control plane. `start()`, then `run(stop)` until `stop` is set."""
 
@@ -28,7 +35,7 @@ class Trimtab:
         self.config = config
         self.config_path = config_path
         self.cache = SnapshotCache()
-        self.controller = Controller(config, self.cache)
+        self.controller = Controller(config, self.cache, state_file=state_file_path(config, config_path))
         self.nacks = NackLog()
         self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
         self._grpc: grpc.aio.Server | None = None

@@ -9,10 +9,13 @@ import logging
 import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Sequence
 
 from . import __version__
 from .config import ConfigError, load_config
+from .rollout import RolloutStateError
 
 EXIT_BAD_INPUT = 2
 
@@ -47,6 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to the YAML config")
     validate = sub.add_parser("validate", help="check a config; exit 2 naming what is wrong")
     validate.add_argument("--config", required=True, help="path to the YAML config")
+    ro = sub.add_parser("rollout", help="show or steer canary rollouts through the admin API")
+    ro.add_argument("action", choices=["status", "pause", "resume", "promote", "abort"])
+    ro.add_argument("pool", nargs="?", help="the pool (required except for status)")
+    where = ro.add_mutually_exclusive_group()
+    where.add_argument("--config", help="read the admin address from this config")
+    where.add_argument("--admin", help="admin base URL (default http://127.0.0.1:19100)")
     return parser
 
 
@@ -65,7 +74,11 @@ async def _serve(args: argparse.Namespace) -> int:
     from .app import Trimtab
 
     config = load_config(args.config)
-    app = Trimtab(config, args.config)
+    try:
+        app = Trimtab(config, args.config)
+    except RolloutStateError as exc:
+        print(f"trimtab: refusing to start: rollout state file {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -91,10 +104,47 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args))
 
 
+def _admin_url(args: argparse.Namespace) -> str:
+    if args.admin:
+        return args.admin.rstrip("/")
+    if args.config:
+        address = load_config(args.config).admin.host_port
+        host = "127.0.0.1" if address.host in ("0.0.0.0", "::") else address.host
+        return f"http://{host}:{address.port}"
+    return "http://127.0.0.1:19100"
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    if args.action != "status" and not args.pool:
+        print(f"trimtab: rollout {args.action} needs a POOL", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        base = _admin_url(args)
+    except ConfigError as exc:
+        print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.action == "status":
+        request = urllib.request.Request(f"{base}/v1/rollouts")
+    else:
+        request = urllib.request.Request(f"{base}/v1/rollouts/{args.pool}/{args.action}",
+                                         data=b"{}", method="POST",
+                                         headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            print(json.dumps(json.load(response), indent=1, sort_keys=True))
+            return 0
+    except urllib.error.HTTPError as exc:
+        print(f"trimtab: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        return EXIT_BAD_INPUT if exc.code in (400, 404, 409) else 1
+    except OSError as exc:
+        print(f"trimtab: cannot reach the admin API at {base}: {exc}", file=sys.stderr)
+        return 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    handlers = {"serve": cmd_serve, "validate": cmd_validate}
+    handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout}
     return handlers[args.command](args)
 
 

@@ -300,12 +300,18 @@ class PoolConfig(_Model):
         return [*self.prompt_classes, *extra]
 
 
+class RolloutsConfig(_Model):
+    # Canary state survives restarts here; relative paths are relative to the config file.
+    state_file: str = "trimtab-rollouts.json"
+
+
 class Config(_Model):
     xds: XdsConfig = XdsConfig()
     admin: AdminConfig = AdminConfig()
     listener: ListenerConfig = ListenerConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     weights: WeightsConfig = WeightsConfig()
+    rollouts: RolloutsConfig = RolloutsConfig()
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:

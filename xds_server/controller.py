@@ -12,7 +12,8 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from google.protobuf.message import Message
 
@@ -23,9 +24,11 @@ from . import metrics, type_urls
 from .cache import SnapshotCache
 from .config import Config
 from .resources import EndpointSetting, build_clusters, build_load_assignment
+from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
+from .slo import SloTracker, parse_slo, split_signals
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
-from .telemetry import Scraper, ScrapeResult, TelemetryStore
+from .telemetry import Scraper, ScrapeResult, TelemetryStore, parse_dcgm_memory
 
 log = logging.getLogger("trimtab.controller")
 
@@ -44,8 +47,10 @@ class TickStats:
 
 class Controller:
     def __init__(self, config: Config, cache: SnapshotCache, scraper: Scraper | None = None,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, state_file: Path | None = None) -> None:
         self.cache = cache
+        self.slo = SloTracker()
+        self.rollouts = Rollouts(config, state_file)
         self.clock = clock
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
@@ -58,7 +63,9 @@ class Controller:
 
     @staticmethod
     def _new_scraper(config: Config) -> Scraper:
-        return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
+        has_canary = any(pool.versions is not None for pool in config.pools)
+        return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency,
+                       parse=_with_slo if has_canary else parse_dcgm_memory)
 
     def apply_config(self, config: Config) -> None:
         """Switch to a new (already validated) config; listener and routes are built here once."""
@@ -68,7 +75,10 @@ class Controller:
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
         self._routes = build_route_config(config, self.canary_percent)
-        self.store.forget({ep.address for pool in config.pools for ep in pool.all_endpoints()})
+        addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
+        self.store.forget(addresses)
+        self.slo.forget(addresses)
+        self.rollouts.apply_config(config)
         names = {name for pool in config.pools for name, _, _ in pool.clusters()}
         self.weights = {k: v for k, v in self.weights.items() if k in names}
 
@@ -80,7 +90,7 @@ class Controller:
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included)."""
-        if self._own_scraper and config.telemetry != self.config.telemetry:
+        if self._own_scraper:
             old, self.scraper = self.scraper, self._new_scraper(config)
             await old.close()
         self.apply_config(config)
@@ -95,6 +105,9 @@ class Controller:
         started = time.perf_counter()
         results = await self.scraper.scrape(self.targets(), self.clock)
         self.ingest(results)
+        if self.rollouts.pools:
+            self.rollouts.tick(self.slo, self.clock())
+            self.set_canary_percent(self.rollouts.percents())
         self.publish()
         self.stats.ticks += 1
         self.stats.last_tick_at = self.clock()
@@ -103,6 +116,10 @@ class Controller:
     def ingest(self, results: dict[str, ScrapeResult]) -> None:
         """Record telemetry and recompute every pool's weights (pure function per pool)."""
         for address, result in results.items():
+            if result.signals is not None:
+                plain, slo = split_signals(result.signals)
+                self.slo.record(address, result.collected_at, slo)
+                result = replace(result, signals=plain)
             self.store.record(address, result)
         now = self.clock()
         weights = {}
@@ -189,6 +206,11 @@ class Controller:
     async def close(self) -> None:
         if self._own_scraper:
             await self.scraper.close()
+
+
+def _with_slo(text: str) -> dict[str, float]:
+    """Weight signals plus the SLO histograms canary gates need, from one page."""
+    return {**parse_dcgm_memory(text), **parse_slo(text)}
 
 
 def _describe_change(previous: Snapshot | None, snapshot: Snapshot) -> str:

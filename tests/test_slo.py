@@ -1,0 +1,61 @@
+"""SLO telemetry: histogram quantiles, page parsing, per-version windows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from xds_server.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
+
+
+def vllm_page(ttft: dict[str, int], finished: int, errors: int = 0) -> str:
+    lines = ["# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
+             "# TYPE vllm:time_to_first_token_seconds histogram"]
+    for le, count in ttft.items():
+        lines.append(f'vllm:time_to_first_token_seconds_bucket{{le="{le}",model_name="m"}} {count}')
+    total = max(ttft.values())
+    lines += [f'vllm:time_to_first_token_seconds_count{{model_name="m"}} {total}',
+              f'vllm:time_to_first_token_seconds_sum{{model_name="m"}} {total * 0.1}',
+              "# TYPE vllm:e2e_request_latency_seconds histogram",
+              f'vllm:e2e_request_latency_seconds_bucket{{le="+Inf",model_name="m"}} {finished}',
+              f'vllm:e2e_request_latency_seconds_count{{model_name="m"}} {finished}',
+              f'vllm:e2e_request_latency_seconds_sum{{model_name="m"}} {finished * 2.0}',
+              "# TYPE http_requests_total counter",
+              f'http_requests_total{{handler="/v1/completions",method="POST",status="2xx"}} {finished}',
+              f'http_requests_total{{handler="/v1/completions",method="POST",status="5xx"}} {errors}',
+              "# TYPE vllm:num_requests_waiting gauge",
+              'vllm:num_requests_waiting{model_name="m"} 3']
+    return "\n".join(lines) + "\n"
+
+
+def test_quantile_interpolates_like_promql():
+    buckets = {0.1: 50.0, 0.5: 90.0, 1.0: 100.0, math.inf: 100.0}
+    assert quantile(0.5, buckets) == pytest.approx(0.1)
+    assert quantile(0.95, buckets) == pytest.approx(0.75)
+    assert quantile(0.95, {0.1: 0.0, math.inf: 0.0}) is None
+    assert quantile(0.99, {1.0: 10.0, math.inf: 20.0}) == 1.0  # beyond the last finite bound
+
+
+def test_parse_vllm_page_into_slo_keys_and_split():
+    page = parse_slo(vllm_page({"0.1": 5, "0.5": 9, "+Inf": 10}, finished=10, errors=2))
+    assert page[f"{PREFIX}ttft:0.5"] == 9 and page[f"{PREFIX}ttft:+Inf"] == 10
+    assert page[f"{PREFIX}requests"] == 10 and page[f"{PREFIX}errors"] == 2
+    plain, slo = split_signals({**page, "queue": 3.0})
+    assert plain == {"queue": 3.0} and slo == page
+    assert parse_slo("garbage {{{") == {}
+
+
+def test_tracker_window_deltas_per_version_and_restart():
+    t = SloTracker()
+    t.record("a", 0.0, parse_slo(vllm_page({"0.1": 100, "1": 100, "+Inf": 100}, 100)))
+    t.record("a", 10.0, parse_slo(vllm_page({"0.1": 100, "1": 200, "+Inf": 200}, 200, 10)))
+    t.record("b", 0.0, parse_slo(vllm_page({"0.1": 0, "1": 0, "+Inf": 0}, 0)))
+    t.record("b", 10.0, parse_slo(vllm_page({"0.1": 100, "1": 100, "+Inf": 100}, 100)))
+    slow = t.stats(["a"], since=0.0)
+    assert slow.requests == 100 and slow.errors == 10
+    assert 0.9 < (slow.ttft_p95_s or 0) <= 1.0  # the window's requests all took 0.1-1 s
+    both = t.stats(["a", "b"], since=0.0)
+    assert both.requests == 200 and (both.ttft_p95_s or 0) < (slow.ttft_p95_s or 0)
+    t.record("b", 20.0, parse_slo(vllm_page({"0.1": 5, "1": 5, "+Inf": 5}, 5)))  # restarted
+    assert t.stats(["b"], since=10.0).requests == 5

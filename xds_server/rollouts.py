@@ -1,0 +1,96 @@
+"""Runs the canary rollouts of every pool with `versions`: one `advance` per tick, operator
+commands, the state file, logs and metrics. The state machine itself is in rollout.py."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from pathlib import Path
+
+from prometheus_client import Counter, Gauge
+
+from . import rollout
+from .config import Config, PoolConfig
+from .rollout import RolloutState
+from .slo import SloTracker
+
+log = logging.getLogger("trimtab.rollout")
+
+ROLLOUT_PERCENT = Gauge("trimtab_rollout_canary_percent", "Traffic share of a pool's canary",
+                        ["pool"])
+ROLLOUT_EVENTS = Counter("trimtab_rollout_events_total",
+                         "Rollout steps, rollbacks, promotions and operator commands",
+                         ["pool", "kind"])
+
+
+class Rollouts:
+    def __init__(self, config: Config, state_file: Path | None) -> None:
+        self.state_file = state_file
+        self.states: dict[str, RolloutState] = (
+            rollout.load_state(state_file) if state_file is not None else {})
+        self.apply_config(config)
+
+    def apply_config(self, config: Config) -> None:
+        self.pools: dict[str, PoolConfig] = {
+            pool.name: pool for pool in config.pools if pool.versions is not None}
+        for name in [n for n in self.states if n not in self.pools]:
+            log.info("rollout for %s dropped: the pool no longer has versions", name)
+            del self.states[name]
+
+    def percents(self) -> dict[str, float]:
+        return {name: self.states[name].percent for name in self.pools if name in self.states}
+
+    def tick(self, tracker: SloTracker, now: float) -> bool:
+        """Advance every rollout; returns True when any state changed (and was saved)."""
+        changed = False
+        for name, pool in self.pools.items():
+            policy = pool.rollout or _default_policy()
+            state = self.states.get(name) or rollout.start(name, policy, now)
+            stable_addresses, canary_addresses = _addresses(pool)
+            since = max(state.step_started_at, now - policy.step_interval_seconds)
+            new = rollout.advance(state, policy, tracker.stats(stable_addresses, since),
+                                  tracker.stats(canary_addresses, since), now)
+            changed |= self._store(name, state if name in self.states else None, new)
+        if changed:
+            self.save()
+        return changed
+
+    def command(self, name: str, action: str, now: float) -> RolloutState:
+        """Operator control. Raises KeyError (unknown pool) or RolloutCommandError."""
+        pool = self.pools[name]
+        state = self.states.get(name) or rollout.start(name, pool.rollout or _default_policy(), now)
+        new = rollout.command(state, action, pool.rollout or _default_policy(), now)
+        self._store(name, state, new)
+        self.save()
+        return new
+
+    def _store(self, name: str, old: RolloutState | None, new: RolloutState) -> bool:
+        ROLLOUT_PERCENT.labels(pool=name).set(new.percent)
+        if old is not None and old == new:
+            return False
+        fresh = new.history[len(old.history):] if old is not None else new.history
+        for event in fresh:
+            ROLLOUT_EVENTS.labels(pool=name, kind=event.kind).inc()
+            log.info("rollout %s: %s at %g%%: %s", name, event.kind, event.percent, event.reason)
+        self.states[name] = new
+        return True
+
+    def save(self) -> None:
+        if self.state_file is not None:
+            rollout.save_state(self.state_file, self.states)
+
+    def document(self) -> dict[str, object]:
+        return {name: {"phase": s.phase, "percent": s.percent, "step": s.step,
+                       "step_started_at": s.step_started_at, "reason": s.reason,
+                       "history": [vars(e) for e in s.history[-20:]]}
+                for name, s in sorted(self.states.items())}
+
+
+def _default_policy() -> rollout.RolloutConfig:
+    return rollout.RolloutConfig()
+
+
+def _addresses(pool: PoolConfig) -> tuple[list[str], list[str]]:
+    versions: Mapping[str, list[str]] = {
+        version: [ep.address for ep in endpoints] for _, version, endpoints in pool.clusters()}
+    return versions.get("stable", []), versions.get("canary", [])
