@@ -1,0 +1,384 @@
+"""A small in-process fake Kubernetes API server for EndpointSlice list+watch.
+
+It speaks the real wire shapes of ``GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices``:
+a list returns an ``EndpointSliceList``; ``?watch=true`` streams newline-delimited JSON events
+(``ADDED|MODIFIED|DELETED|BOOKMARK|ERROR``) with chunked transfer, replaying the history after
+the requested ``resourceVersion``. Runs in a background thread with its own asyncio loop; every
+control method is thread-safe (it runs on that loop). Test knobs:
+
+- :meth:`FakeKube.apply` / :meth:`FakeKube.delete` change slices at run time;
+- :meth:`FakeKube.bookmark` bumps the resourceVersion and sends a BOOKMARK;
+- :meth:`FakeKube.compact` makes older resourceVersions "too old" (410 Gone, as an HTTP 410
+  Status response or as an ERROR event in a 200 stream);
+- :meth:`FakeKube.expire_watches` sends an ERROR 410 event to open watches;
+- :meth:`FakeKube.drop_watches` cuts open watch connections mid-stream;
+- :meth:`FakeKube.fail_next` answers the next requests with an HTTP error Status
+  (:meth:`FakeKube.clear_failures` cancels the rest);
+- :attr:`FakeKube.requests` records every list/watch request and the resourceVersion it asked for.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Awaitable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from aiohttp import web
+
+API_VERSION = "discovery.k8s.io/v1"
+SERVICE_LABEL = "kubernetes.io/service-name"
+GoneForm = Literal["http", "event"]
+_POLL_S = 0.05  # how often an idle watch checks for a departed client
+_PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One list or watch request as the fake saw it."""
+
+    kind: Literal["list", "watch"]
+    namespace: str
+    label_selector: str | None
+    resource_version: str | None
+    allow_bookmarks: bool
+    timeout_seconds: int | None
+
+
+@dataclass
+class _Event:
+    rv: int
+    type: str
+    namespace: str | None  # None: a BOOKMARK, for every watcher
+    obj: dict[str, Any]
+
+
+@dataclass(eq=False)
+class _Watcher:
+    namespace: str
+    selector: dict[str, str]
+    bookmarks: bool
+    cursor: int
+    command: Literal["", "expire", "drop"] = ""
+
+
+def endpoint_slice(name: str, service: str, endpoints: list[dict[str, Any]],
+                   ports: list[dict[str, Any]] | None = None, *, namespace: str = "default",
+                   address_type: str = "IPv4") -> dict[str, Any]:
+    """An EndpointSlice object as the API serves it (the fake fills in resourceVersion)."""
+    return {
+        "kind": "EndpointSlice",
+        "apiVersion": API_VERSION,
+        "metadata": {"name": name, "namespace": namespace,
+                     "labels": {SERVICE_LABEL: service}},
+        "addressType": address_type,
+        "endpoints": endpoints,
+        "ports": ports if ports is not None else [{"name": "http", "port": 8000,
+                                                    "protocol": "TCP"}],
+    }
+
+
+def endpoint(address: str, *, ready: bool | None = True, serving: bool | None = None,
+             terminating: bool | None = None, zone: str | None = None,
+             node: str | None = None) -> dict[str, Any]:
+    """One ``endpoints[]`` entry; a None condition is left out (the API's nil)."""
+    conditions = {key: value for key, value in
+                  (("ready", ready), ("serving", serving), ("terminating", terminating))
+                  if value is not None}
+    entry: dict[str, Any] = {"addresses": [address], "conditions": conditions}
+    if zone is not None:
+        entry["zone"] = zone
+    if node is not None:
+        entry["nodeName"] = node
+    return entry
+
+
+def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
+            "message": message, "reason": reason, "code": code}
+
+
+def _parse_selector(text: str | None) -> dict[str, str]:
+    selector: dict[str, str] = {}
+    for term in filter(None, (text or "").split(",")):
+        key, _, value = term.replace("==", "=").partition("=")
+        selector[key.strip()] = value.strip()
+    return selector
+
+
+def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
+    labels = obj.get("metadata", {}).get("labels") or {}
+    return all(labels.get(key) == value for key, value in selector.items())
+
+
+def _line(event_type: str, obj: dict[str, Any]) -> bytes:
+    return (json.dumps({"type": event_type, "object": obj}) + "\n").encode()
+
+
+@dataclass
+class FakeKube:
+    """The fake API server. ``host`` is ``http://127.0.0.1:<free port>`` once started."""
+
+    requests: list[RequestRecord] = field(default_factory=list, init=False)
+    port: int = field(default=0, init=False)
+    gone_form: GoneForm = field(default="http", init=False)
+    _rv: int = field(default=100, init=False)
+    _compacted_rv: int = field(default=0, init=False)
+    _slices: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict, init=False)
+    _history: list[_Event] = field(default_factory=list, init=False)
+    _watchers: set[_Watcher] = field(default_factory=set, init=False)
+    _failures: list[tuple[str, int]] = field(default_factory=list, init=False)
+    _changed: asyncio.Event | None = field(default=None, init=False, repr=False)
+    _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
+    _thread: threading.Thread | None = field(default=None, init=False, repr=False)
+    _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
+    _stopping: bool = field(default=False, init=False)
+
+    @property
+    def host(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # -- lifecycle ---------------------------------------------------------
+
+    def start(self, timeout: float = 10.0) -> FakeKube:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="fake-kube",
+                                        daemon=True)
+        self._thread.start()
+        self._call(self._start(), timeout)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is None or self._loop is None:
+            return
+        try:
+            self._call(self._stop(), timeout)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            self._loop.close()
+            self._thread, self._loop = None, None
+
+    def __enter__(self) -> FakeKube:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _call(self, coro: Awaitable[Any], timeout: float = 10.0) -> Any:
+        assert self._loop is not None, "FakeKube not started"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)  # type: ignore[arg-type]
+
+    async def _start(self) -> None:
+        self._changed = asyncio.Event()
+        app = web.Application()
+        app.router.add_get(_PATH, self._handle)
+        self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = int(self._runner.addresses[0][1])
+
+    async def _stop(self) -> None:
+        self._stopping = True
+        self._notify()
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- controls (thread-safe) ----------------------------------------------
+
+    def apply(self, obj: dict[str, Any]) -> str:
+        """Create or replace a slice (ADDED or MODIFIED); returns its new resourceVersion."""
+        return self._call(self._mutate(obj, deleted=False))
+
+    def delete(self, name: str, namespace: str = "default") -> str:
+        obj = {"metadata": {"name": name, "namespace": namespace}}
+        return self._call(self._mutate(obj, deleted=True))
+
+    def bookmark(self) -> str:
+        """Advance the resourceVersion (as other objects would) and send a BOOKMARK."""
+        return self._call(self._bookmark())
+
+    def compact(self, form: GoneForm = "http") -> None:
+        """Every resourceVersion before the current one is now too old: watching from one is
+        answered 410 Gone, as an HTTP 410 Status (``http``) or an ERROR event (``event``)."""
+        self._call(self._compact(form))
+
+    def expire_watches(self) -> None:
+        """Open watches get an ERROR event ``{"kind": "Status", "code": 410}`` and end."""
+        self._call(self._command("expire"))
+
+    def drop_watches(self) -> None:
+        """Open watch connections are cut mid-stream (no terminating chunk)."""
+        self._call(self._command("drop"))
+
+    def fail_next(self, kind: Literal["list", "watch"], status: int = 500, count: int = 1) -> None:
+        """The next ``count`` requests of ``kind`` are answered with an HTTP error Status."""
+        self._call(self._add_failures([(kind, status)] * count))
+
+    def clear_failures(self) -> None:
+        self._call(self._clear_failures())
+
+    def open_watches(self) -> int:
+        return self._call(self._count_watchers())
+
+    def records(self, kind: Literal["list", "watch"]) -> list[RequestRecord]:
+        return [record for record in list(self.requests) if record.kind == kind]
+
+    # -- loop side -------------------------------------------------------------
+
+    def _notify(self) -> None:
+        assert self._changed is not None
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _mutate(self, obj: dict[str, Any], *, deleted: bool) -> str:
+        meta = obj["metadata"]
+        key = (meta.get("namespace", "default"), meta["name"])
+        self._rv += 1
+        if deleted:
+            stored = self._slices.pop(key)
+            event_type = "DELETED"
+        else:
+            event_type = "MODIFIED" if key in self._slices else "ADDED"
+            stored = json.loads(json.dumps(obj))
+        stored = {**stored, "metadata": {**stored["metadata"], "resourceVersion": str(self._rv)}}
+        if not deleted:
+            self._slices[key] = stored
+        self._history.append(_Event(self._rv, event_type, key[0], stored))
+        self._notify()
+        return str(self._rv)
+
+    async def _bookmark(self) -> str:
+        self._rv += 1
+        obj = {"kind": "EndpointSlice", "apiVersion": API_VERSION,
+               "metadata": {"resourceVersion": str(self._rv)}}
+        self._history.append(_Event(self._rv, "BOOKMARK", None, obj))
+        self._notify()
+        return str(self._rv)
+
+    async def _compact(self, form: GoneForm) -> None:
+        self.gone_form, self._compacted_rv = form, self._rv
+
+    async def _command(self, command: Literal["expire", "drop"]) -> None:
+        for watcher in self._watchers:
+            watcher.command = command
+        self._notify()
+
+    async def _add_failures(self, failures: list[tuple[str, int]]) -> None:
+        self._failures.extend(failures)
+
+    async def _clear_failures(self) -> None:
+        self._failures.clear()
+
+    async def _count_watchers(self) -> int:
+        return len(self._watchers)
+
+    def _take_failure(self, kind: str) -> int | None:
+        for index, (failing_kind, status) in enumerate(self._failures):
+            if failing_kind == kind:
+                del self._failures[index]
+                return status
+        return None
+
+    # -- HTTP ------------------------------------------------------------------
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        query = request.query
+        watch = query.get("watch", "").lower() in ("true", "1")
+        timeout = query.get("timeoutSeconds")
+        record = RequestRecord(
+            kind="watch" if watch else "list", namespace=request.match_info["namespace"],
+            label_selector=query.get("labelSelector"),
+            resource_version=query.get("resourceVersion"),
+            allow_bookmarks=query.get("allowWatchBookmarks", "").lower() in ("true", "1"),
+            timeout_seconds=int(timeout) if timeout else None)
+        self.requests.append(record)
+        failure = self._take_failure(record.kind)
+        if failure is not None:
+            return web.json_response(status_object(failure, "InternalError", "injected"),
+                                     status=failure)
+        return await (self._watch(request, record) if watch else self._list(record))
+
+    def _current(self, record: RequestRecord) -> list[dict[str, Any]]:
+        selector = _parse_selector(record.label_selector)
+        return [obj for (namespace, _), obj in sorted(self._slices.items())
+                if namespace == record.namespace and _matches(obj, selector)]
+
+    async def _list(self, record: RequestRecord) -> web.Response:
+        return web.json_response({
+            "kind": "EndpointSliceList", "apiVersion": API_VERSION,
+            "metadata": {"resourceVersion": str(self._rv)},
+            "items": self._current(record),
+        })
+
+    async def _watch(self, request: web.Request, record: RequestRecord) -> web.StreamResponse:
+        rv_text = record.resource_version
+        too_old = rv_text not in (None, "", "0") and int(rv_text) < self._compacted_rv
+        gone = status_object(410, "Expired", f"too old resource version: {rv_text} ({self._rv})")
+        if too_old and self.gone_form == "http":
+            return web.json_response(gone, status=410)
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.enable_chunked_encoding()
+        await resp.prepare(request)
+        if too_old:
+            await resp.write(_line("ERROR", gone))
+            await resp.write_eof()
+            return resp
+        watcher = _Watcher(record.namespace, _parse_selector(record.label_selector),
+                           record.allow_bookmarks, self._rv)
+        if rv_text in (None, "", "0"):  # "any": start with synthetic ADDED events
+            initial = b"".join(_line("ADDED", obj) for obj in self._current(record))
+        else:
+            watcher.cursor, initial = int(rv_text), b""
+        self._watchers.add(watcher)
+        try:
+            await resp.write(initial)
+            if await self._serve(request, resp, watcher, record.timeout_seconds):
+                await resp.write_eof()
+        except (ConnectionResetError, ConnectionError):
+            pass
+        finally:
+            self._watchers.discard(watcher)
+        return resp
+
+    async def _serve(self, request: web.Request, resp: web.StreamResponse, watcher: _Watcher,
+                     timeout_seconds: int | None) -> bool:
+        """Stream events until the timeout, a command or shutdown; False if the link was cut."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_seconds if timeout_seconds else None
+        while not self._stopping:
+            changed = self._changed
+            assert changed is not None
+            await resp.write(self._pending(watcher))
+            if watcher.command == "expire":
+                await resp.write(_line("ERROR", status_object(410, "Expired", "expired")))
+                return True
+            if watcher.command == "drop":
+                assert request.transport is not None
+                request.transport.abort()
+                return False
+            if request.transport is None or request.transport.is_closing():
+                return False  # the client went away
+            remaining = _POLL_S if deadline is None else deadline - loop.time()
+            if remaining <= 0:
+                return True
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(changed.wait(), min(remaining, _POLL_S))
+        return True
+
+    def _pending(self, watcher: _Watcher) -> bytes:
+        chunks = []
+        for event in self._history:
+            if event.rv <= watcher.cursor:
+                continue
+            watcher.cursor = event.rv
+            if event.namespace is None:
+                if watcher.bookmarks:
+                    chunks.append(_line(event.type, event.obj))
+            elif event.namespace == watcher.namespace and _matches(event.obj, watcher.selector):
+                chunks.append(_line(event.type, event.obj))
+        return b"".join(chunks)
