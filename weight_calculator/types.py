@@ -54,6 +54,9 @@ class EndpointWeight:
     signals: Mapping[str, float]  # the inputs used (copy of sample.signals, may be empty)
     updated_at: float | None  # collected_at of the sample used, None if none
     reason: str = ""  # short human reason, e.g. "ok", "no telemetry yet", "fail-static"
+    # Added for the composite policy; defaults keep older producers/consumers working.
+    health: str = "HEALTHY"  # HEALTHY | DEGRADED | STALE | INVALID
+    breakdown: Mapping[str, float] = field(default_factory=dict)  # inputs, normalised, shares
 
 
 @dataclass(frozen=True)

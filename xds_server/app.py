@@ -8,11 +8,14 @@ from pathlib import Path
 
 import grpc
 from aiohttp import web
+from grpc_health.v1.health import aio as health_aio
 
 from .admin import AdminApi, start_admin
 from .cache import SnapshotCache
 from .config import Config, ConfigError, load_config
 from .controller import Controller
+from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
+from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .nack_log import NackLog
 from .transport import XdsServicer, start_xds_server
 
@@ -40,13 +43,26 @@ class Trimtab:
         self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
+        self.scaler_port: int | None = None
+        self._scaler: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
         self._admin: web.AppRunner | None = None
 
     def ready(self) -> bool:
         return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
 
     async def start(self) -> None:
-        self._grpc, self.xds_port = await start_xds_server(self.servicer, self.config.xds.address)
+        def extras(server: grpc.aio.Server) -> None:
+            self._health = add_health_and_reflection(server, list(XDS_SERVICE_NAMES))
+
+        self._grpc, self.xds_port = await start_xds_server(self.servicer, self.config.xds.address,
+                                                           configure=extras)
+        assert self._health is not None
+        await set_serving(self._health, list(XDS_SERVICE_NAMES), False)
+        if self.config.keda.address is not None:
+            scaler = ExternalScalerServicer(self.controller.autoscaler.source)
+            self._scaler, self.scaler_port = await start_scaler_server(scaler,
+                                                                       self.config.keda.address)
         admin = self.config.admin.host_port
         api = AdminApi(self.controller, self.ready, self.servicer, self.nacks)
         self._admin = await start_admin(api, admin.host, admin.port)
@@ -54,10 +70,19 @@ class Trimtab:
                  self.config.admin.address, len(self.config.pools))
 
     async def run(self, stop: asyncio.Event) -> None:
+        serving = asyncio.create_task(self._mark_serving_when_ready(stop))
         try:
             await self.controller.run(stop)
         finally:
+            serving.cancel()
             await self.close()
+
+    async def _mark_serving_when_ready(self, stop: asyncio.Event) -> None:
+        """gRPC health follows /readyz: SERVING once the first snapshot is published."""
+        while not self.ready() and not stop.is_set():
+            await asyncio.sleep(0.05)
+        if self._health is not None and not stop.is_set():
+            await set_serving(self._health, list(XDS_SERVICE_NAMES), True)
 
     async def reload(self) -> bool:
         """Re-read the config file. A bad file is reported and the last good config stays."""
@@ -78,6 +103,11 @@ class Trimtab:
         return True
 
     async def close(self) -> None:
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self._scaler is not None:
+            await self._scaler.stop(SHUTDOWN_GRACE_S)
+            self._scaler = None
         if self._grpc is not None:
             await self._grpc.stop(SHUTDOWN_GRACE_S)
             self._grpc = None

@@ -229,6 +229,27 @@ class HealthCheckConfig(_Model):
     healthy_threshold: int = Field(1, ge=1)
 
 
+class ScalingConfig(_Model):
+    """The seed's dual-metric autoscaler (served to KEDA); see weight_calculator/scaling.py."""
+
+    latency_slo_seconds: float = Field(1.0, gt=0)
+    min_replicas: int = Field(1, ge=0)
+    max_replicas: int = Field(10, ge=1)
+    scale_up_threshold: float = Field(0.8, gt=0)
+    scale_down_threshold: float = Field(0.3, ge=0)
+    scale_up_cooldown_seconds: float = Field(60.0, ge=0)
+    scale_down_cooldown_seconds: float = Field(120.0, ge=0)
+
+    @model_validator(mode="after")
+    def _ordered(self) -> ScalingConfig:
+        if self.max_replicas < self.min_replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below min_replicas "
+                             f"({self.min_replicas})")
+        if self.scale_down_threshold >= self.scale_up_threshold:
+            raise ValueError("scale_down_threshold must be below scale_up_threshold")
+        return self
+
+
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
@@ -247,6 +268,7 @@ class PoolConfig(_Model):
     warmup_weight: int = Field(10, ge=1)
     affinity: AffinityConfig | None = None
     health_check: HealthCheckConfig | None = None
+    scaling: ScalingConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -300,6 +322,19 @@ class PoolConfig(_Model):
         return [*self.prompt_classes, *extra]
 
 
+class KedaConfig(_Model):
+    """The KEDA external scaler's gRPC address; absent: no scaler is served."""
+
+    address: str | None = None
+
+    @field_validator("address")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_host_port(value)
+        return value
+
+
 class RolloutsConfig(_Model):
     # Canary state survives restarts here; relative paths are relative to the config file.
     state_file: str = "trimtab-rollouts.json"
@@ -312,6 +347,7 @@ class Config(_Model):
     telemetry: TelemetryConfig = TelemetryConfig()
     weights: WeightsConfig = WeightsConfig()
     rollouts: RolloutsConfig = RolloutsConfig()
+    keda: KedaConfig = KedaConfig()
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:

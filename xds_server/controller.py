@@ -21,6 +21,7 @@ from weight_calculator.gpu_memory import compute_pool_weights
 from weight_calculator.types import GpuMemoryPolicy, PoolWeights
 
 from . import metrics, type_urls
+from .autoscale import Autoscaler
 from .cache import SnapshotCache
 from .config import Config
 from .resources import EndpointSetting, build_clusters, build_load_assignment
@@ -51,6 +52,7 @@ class Controller:
         self.cache = cache
         self.slo = SloTracker()
         self.rollouts = Rollouts(config, state_file)
+        self.autoscaler = Autoscaler(config)
         self.clock = clock
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
@@ -63,9 +65,8 @@ class Controller:
 
     @staticmethod
     def _new_scraper(config: Config) -> Scraper:
-        has_canary = any(pool.versions is not None for pool in config.pools)
         return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency,
-                       parse=_with_slo if has_canary else parse_dcgm_memory)
+                       parse=_with_slo if needs_slo(config) else parse_dcgm_memory)
 
     def apply_config(self, config: Config) -> None:
         """Switch to a new (already validated) config; listener and routes are built here once."""
@@ -79,6 +80,7 @@ class Controller:
         self.store.forget(addresses)
         self.slo.forget(addresses)
         self.rollouts.apply_config(config)
+        self.autoscaler.apply_config(config)
         names = {name for pool in config.pools for name, _, _ in pool.clusters()}
         self.weights = {k: v for k, v in self.weights.items() if k in names}
 
@@ -108,6 +110,7 @@ class Controller:
         if self.rollouts.pools:
             self.rollouts.tick(self.slo, self.clock())
             self.set_canary_percent(self.rollouts.percents())
+        self.autoscaler.tick(self.weights, self.slo, self.clock())
         self.publish()
         self.stats.ticks += 1
         self.stats.last_tick_at = self.clock()
@@ -206,6 +209,12 @@ class Controller:
     async def close(self) -> None:
         if self._own_scraper:
             await self.scraper.close()
+
+
+def needs_slo(config: Config) -> bool:
+    """Canary gates and the autoscaler read latency histograms; plain weighting does not."""
+    return config.keda.address is not None or any(
+        pool.versions is not None or pool.scaling is not None for pool in config.pools)
 
 
 def _with_slo(text: str) -> dict[str, float]:

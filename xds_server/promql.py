@@ -119,6 +119,30 @@ def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[
     return values, problems
 
 
+Answer = tuple[dict[str, float], list[str]] | str  # parse_vector output, or an error
+
+
+def merge_answers(
+    answers: Mapping[str, Answer], address_of: Mapping[str, str] | None = None
+) -> PromQLResult:
+    """Combine per-signal answers (``parse_vector`` output or an error string) into one
+    :class:`PromQLResult`, mapping label values to addresses through ``address_of``."""
+    values: dict[str, dict[str, float]] = {}
+    errors: dict[str, str] = {}
+    problems: list[str] = []
+    for signal, answer in answers.items():
+        if isinstance(answer, str):
+            errors[signal] = answer
+            continue
+        per_label, found = answer
+        problems += [f"{signal}: {p}" for p in found]
+        for key, value in per_label.items():
+            address = key if address_of is None else address_of.get(key)
+            if address is not None:
+                values.setdefault(address, {})[signal] = value
+    return PromQLResult(values=values, errors=errors, problems=tuple(problems))
+
+
 class PromQLSource:
     """Runs one instant query per signal against a Prometheus server, concurrently.
 
@@ -162,27 +186,9 @@ class PromQLSource:
             self._session = aiohttp.ClientSession(timeout=timeout)
         signals = sorted(self.queries)
         answers = await asyncio.gather(*(self._query(self._session, s) for s in signals))
-        values: dict[str, dict[str, float]] = {}
-        errors: dict[str, str] = {}
-        problems: list[str] = []
-        for signal, answer in zip(signals, answers, strict=True):
-            if isinstance(answer, str):
-                errors[signal] = answer
-                continue
-            per_label, found = answer
-            problems += [f"{signal}: {p}" for p in found]
-            for key, value in per_label.items():
-                address = self._address(key)
-                if address is not None:
-                    values.setdefault(address, {})[signal] = value
-        return PromQLResult(values=values, errors=errors, problems=tuple(problems))
+        return merge_answers(dict(zip(signals, answers, strict=True)), self.address_of)
 
-    def _address(self, key: str) -> str | None:
-        return key if self.address_of is None else self.address_of.get(key)
-
-    async def _query(
-        self, session: aiohttp.ClientSession, signal: str
-    ) -> tuple[dict[str, float], list[str]] | str:
+    async def _query(self, session: aiohttp.ClientSession, signal: str) -> Answer:
         """The parsed answer, or an ``"<kind>: <detail>"`` error string."""
         try:
             async with session.get(self.url, params={"query": self.queries[signal]}) as resp:

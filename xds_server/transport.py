@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from envoy.service.discovery.v3 import discovery_pb2
@@ -181,16 +182,25 @@ class XdsServicer:
                   response.nonce, info.node_id, len(response.resources), len(response.removed))
 
 
-async def start_xds_server(servicer: XdsServicer, address: str) -> tuple[grpc.aio.Server, int]:
-    """Start serving on `address` (port 0 picks a free port). Returns the server and its port."""
-    server = grpc.aio.server(options=[
+async def start_xds_server(servicer: XdsServicer, address: str,
+                           configure: Callable[[grpc.aio.Server], object] | None = None,
+                           credentials: grpc.ServerCredentials | None = None,
+                           options: list[tuple[str, Any]] | None = None,
+                           ) -> tuple[grpc.aio.Server, int]:
+    """Start serving on `address` (port 0 picks a free port). Returns the server and its port.
+    `configure` adds services (health, reflection) before the server starts."""
+    server = grpc.aio.server(options=[*(options or []),
+        ("grpc.so_reuseport", 0),  # a second trimtab must fail to bind, not share the port
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.max_receive_message_length", 16 * 1024 * 1024),
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
     ])
     server.add_generic_rpc_handlers(tuple(servicer.handlers()))
-    port = server.add_insecure_port(address)
+    if configure is not None:
+        configure(server)
+    port = (server.add_secure_port(address, credentials) if credentials is not None
+            else server.add_insecure_port(address))
     if port == 0:
         raise OSError(f"cannot bind the xDS gRPC server to {address}")
     await server.start()

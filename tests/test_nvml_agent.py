@@ -1,0 +1,240 @@
+"""Tests for the NVML metrics agent (no GPU needed: static and fake NVML readers)."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import sys
+import threading
+import types
+from collections.abc import Iterator
+from contextlib import closing
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from xds_server.adapters import parse_page
+from xds_server.nvml_agent import (
+    GpuStat,
+    NvmlUnavailable,
+    PynvmlReader,
+    StaticReader,
+    render,
+    serve_agent,
+    start_agent,
+)
+from xds_server.telemetry import MetricsFormatError, parse_dcgm_memory
+
+H100 = GpuStat(0, "GPU-9c1e6a7d-0000", "NVIDIA H100 80GB HBM3", 20000.0, 61559.0, 35.0)
+L4 = GpuStat(1, "GPU-9c1e6a7d-0001", "NVIDIA L4", 18000.0, 4563.0, 97.0)
+
+
+# --- render ---------------------------------------------------------------------------------
+
+
+def test_render_round_trips_through_parse_dcgm_memory() -> None:
+    signals = parse_dcgm_memory(render([H100, L4]).decode())
+    assert signals == {
+        "gpu_mem_pct": pytest.approx(100 * 18000 / 22563),
+        "fb_used_mib": 18000.0,
+        "fb_free_mib": 4563.0,
+        "gpus": 2.0,
+    }
+
+
+def test_render_round_trips_through_parse_page_per_gpu() -> None:
+    text = render([H100, L4]).decode()
+    h100 = parse_page(text, gpu="0")
+    assert h100.server == "dcgm"
+    assert h100.gpu_mem_pct == pytest.approx(100 * 20000 / 81559)
+    assert h100.gpu_util_pct == 35.0
+    assert parse_page(text, uuid=L4.uuid).gpu_util_pct == 97.0
+
+
+def test_render_labels_and_escaping() -> None:
+    odd = GpuStat(3, "GPU-x", 'NVIDIA "Quoted" \\ Name', 1.0, 3.0, 0.0)
+    text = render([odd]).decode()
+    assert "# TYPE DCGM_FI_DEV_FB_USED gauge" in text
+    assert 'gpu="3"' in text and 'UUID="GPU-x"' in text
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    sample = families["DCGM_FI_DEV_FB_FREE"].samples[0]
+    assert sample.labels == {"gpu": "3", "UUID": "GPU-x", "modelName": odd.name}
+    assert sample.value == 3.0
+
+
+def test_render_without_gpus_is_a_valid_but_empty_page() -> None:
+    text = render([]).decode()
+    assert "# HELP DCGM_FI_DEV_FB_USED" in text
+    with pytest.raises(MetricsFormatError, match="missing from page"):
+        parse_dcgm_memory(text)
+
+
+# --- PynvmlReader with a fake pynvml --------------------------------------------------------
+
+
+def _fake_pynvml(devices: list[dict[str, Any]], init_error: Exception | None = None) -> Any:
+    module = types.ModuleType("pynvml")
+    calls: list[str] = []
+
+    def init() -> None:
+        calls.append("init")
+        if init_error is not None:
+            raise init_error
+
+    module.nvmlInit = init  # type: ignore[attr-defined]
+    module.nvmlShutdown = lambda: calls.append("shutdown")  # type: ignore[attr-defined]
+    module.nvmlDeviceGetCount = lambda: len(devices)  # type: ignore[attr-defined]
+    module.nvmlDeviceGetHandleByIndex = lambda i: devices[i]  # type: ignore[attr-defined]
+    module.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
+        used=h["used"], free=h["free"], total=h["used"] + h["free"]
+    )
+    module.nvmlDeviceGetUUID = lambda h: h["uuid"]  # type: ignore[attr-defined]
+    module.nvmlDeviceGetName = lambda h: h["name"]  # type: ignore[attr-defined]
+    module.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(  # type: ignore[attr-defined]
+        gpu=h["util"], memory=0
+    )
+    module.calls = calls  # type: ignore[attr-defined]
+    return module
+
+
+@pytest.fixture
+def fake_nvml(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    module = _fake_pynvml(
+        [
+            # older nvidia-ml-py returns bytes for names/UUIDs, newer returns str
+            {
+                "used": 20000 * 2**20,
+                "free": 61559 * 2**20,
+                "uuid": b"GPU-a",
+                "name": b"NVIDIA H100",
+                "util": 35,
+            },
+            {"used": 3 * 2**19, "free": 2**20, "uuid": "GPU-b", "name": "NVIDIA L4", "util": 0},
+        ]
+    )
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    yield module
+
+
+def test_pynvml_reader_maps_nvml_fields(fake_nvml: Any) -> None:
+    reader = PynvmlReader()
+    assert reader.read() == [
+        GpuStat(0, "GPU-a", "NVIDIA H100", 20000.0, 61559.0, 35.0),
+        GpuStat(1, "GPU-b", "NVIDIA L4", 1.5, 1.0, 0.0),
+    ]
+    reader.close()
+    assert fake_nvml.calls == ["init", "shutdown"]
+
+
+def test_pynvml_missing_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # makes `import pynvml` raise ImportError
+    with pytest.raises(NvmlUnavailable, match="install the nvidia-ml-py package"):
+        PynvmlReader()
+
+
+def test_nvml_init_failure_gives_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    broken = _fake_pynvml([], init_error=OSError("libnvidia-ml.so.1: cannot open shared object"))
+    monkeypatch.setitem(sys.modules, "pynvml", broken)
+    with pytest.raises(NvmlUnavailable, match="could not be initialised: libnvidia-ml"):
+        PynvmlReader()
+
+
+# --- the HTTP agent -------------------------------------------------------------------------
+
+
+class ThreadRecordingReader(StaticReader):
+    def __init__(self, stats: list[GpuStat]) -> None:
+        super().__init__(stats)
+        self.threads: list[int] = []
+
+    def read(self) -> list[GpuStat]:
+        self.threads.append(threading.get_ident())
+        return super().read()
+
+
+class FailingReader:
+    def read(self) -> list[GpuStat]:
+        raise RuntimeError("NVML_ERROR_GPU_IS_LOST")
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int, str, str]:
+    async with session.get(url) as resp:
+        return resp.status, resp.headers.get("Content-Type", ""), await resp.text()
+
+
+def test_agent_reads_per_request_off_the_event_loop() -> None:
+    reader = ThreadRecordingReader([H100])
+
+    async def scenario() -> list[tuple[int, str, str]]:
+        runner, port = await start_agent(reader, "127.0.0.1", 0)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            async with aiohttp.ClientSession() as session:
+                first = await _get(session, f"{base}/metrics")
+                reader.stats = [H100, L4]
+                second = await _get(session, f"{base}/metrics")
+                health = await _get(session, f"{base}/healthz")
+        finally:
+            await runner.cleanup()
+        return [first, second, health]
+
+    loop_thread = threading.get_ident()  # asyncio.run runs the loop in this thread
+    (s1, ctype, body1), (s2, _, body2), (s3, _, body3) = asyncio.run(scenario())
+    assert (s1, s2, s3) == (200, 200, 200)
+    assert ctype.startswith("text/plain") and "version=0.0.4" in ctype
+    assert parse_dcgm_memory(body1)["gpus"] == 1.0
+    assert parse_dcgm_memory(body2)["gpus"] == 2.0  # a fresh read per request
+    assert body3 == "ok\n"
+    assert reader.reads == 2
+    assert all(t != loop_thread for t in reader.threads)
+
+
+def test_agent_reports_read_failures_as_503() -> None:
+    async def scenario() -> tuple[int, str, str]:
+        runner, port = await start_agent(FailingReader(), "127.0.0.1", 0)
+        try:
+            async with aiohttp.ClientSession() as session:
+                return await _get(session, f"http://127.0.0.1:{port}/metrics")
+        finally:
+            await runner.cleanup()
+
+    status, _, body = asyncio.run(scenario())
+    assert status == 503
+    assert "RuntimeError: NVML_ERROR_GPU_IS_LOST" in body
+
+
+def test_serve_agent_runs_until_cancelled() -> None:
+    async def scenario() -> tuple[int, bool]:
+        reader = StaticReader([L4])
+        port = _free_port()
+        task = asyncio.create_task(serve_agent(reader, "127.0.0.1", port))
+        async with aiohttp.ClientSession() as session:
+            status = await _retry_get(session, f"http://127.0.0.1:{port}/metrics")
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            try:
+                await _get(session, f"http://127.0.0.1:{port}/healthz")
+                still_up = True
+            except aiohttp.ClientConnectionError:
+                still_up = False
+        return status, still_up
+
+    assert asyncio.run(scenario()) == (200, False)
+
+
+def _free_port() -> int:
+    with closing(socket.socket()) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def _retry_get(session: aiohttp.ClientSession, url: str) -> int:
+    for _ in range(200):  # the server task needs a few loop turns to bind
+        try:
+            return (await _get(session, url))[0]
+        except aiohttp.ClientConnectionError:
+            await asyncio.sleep(0.01)
+    raise AssertionError(f"{url} never answered")

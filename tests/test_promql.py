@@ -1,0 +1,364 @@
+"""Tests for the Prometheus (PromQL) signal source."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from xds_server.promql import (
+    PromQLError,
+    PromQLResult,
+    PromQLSource,
+    default_queries,
+    parse_vector,
+)
+
+# Answers recorded from Prometheus 2.42 scraping a vLLM-format backend.
+RECORDED_KV = (
+    '{"status":"success","data":{"resultType":"vector","result":[{"metric":'
+    '{"instance":"127.0.0.1:18301"},"value":[1796123661.260,"0.25"]}]}}'
+)
+RECORDED_RAW = (
+    '{"status":"success","data":{"resultType":"vector","result":[{"metric":'
+    '{"__name__":"vllm:kv_cache_usage_perc","engine":"0","instance":"127.0.0.1:18301",'
+    '"job":"vllm","model_name":"m"},"value":[1796123661.277,"0.25"]}]}}'
+)
+RECORDED_NAN = (
+    '{"status":"success","data":{"resultType":"vector","result":[{"metric":'
+    '{"engine":"0","instance":"127.0.0.1:18301","job":"vllm","model_name":"m"},'
+    '"value":[1796123661.286,"NaN"]}]}}'
+)
+RECORDED_EMPTY = '{"status":"success","data":{"resultType":"vector","result":[]}}'
+RECORDED_PARSE_ERROR = (
+    '{"status":"error","errorType":"bad_data","error":"invalid parameter \\"query\\": '
+    '1:44: parse error: unclosed left parenthesis"}'
+)
+
+
+def vector(*series: tuple[dict[str, str], str]) -> str:
+    result = [{"metric": m, "value": [1796123661.3, v]} for m, v in series]
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+# --- parse_vector (pure) --------------------------------------------------------------------
+
+
+def test_parse_recorded_answers() -> None:
+    assert parse_vector(RECORDED_KV, "instance") == ({"127.0.0.1:18301": 0.25}, [])
+    assert parse_vector(RECORDED_RAW.encode(), "instance") == ({"127.0.0.1:18301": 0.25}, [])
+    assert parse_vector(RECORDED_EMPTY, "instance") == ({}, [])
+    values, problems = parse_vector(RECORDED_NAN, "instance")
+    assert values == {} and problems == ["instance='127.0.0.1:18301' is nan"]
+
+
+def test_parse_other_label_missing_label_and_duplicates() -> None:
+    body = vector(
+        ({"pod": "vllm-0"}, "3"),
+        ({"pod": "vllm-1"}, "+Inf"),
+        ({"instance": "x"}, "1"),
+        ({"pod": "vllm-0"}, "5"),
+    )
+    values, problems = parse_vector(body, "pod")
+    assert values == {"vllm-0": 5.0}
+    assert len(problems) == 3
+    assert any("has no 'pod' label" in p for p in problems)
+    assert any("appears twice" in p for p in problems)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        (RECORDED_PARSE_ERROR, "prometheus: bad_data: .*unclosed left parenthesis"),
+        ("<html>502</html>", "format: answer is not JSON"),
+        ("[1, 2]", "format: answer is not a JSON object"),
+        (
+            '{"status":"success","data":{"resultType":"scalar","result":[1,"1"]}}',
+            "resultType='scalar'",
+        ),
+        ('{"status":"success","data":{"resultType":"vector","result":{}}}', "not a list"),
+        (
+            '{"status":"success","data":{"resultType":"vector","result":[{"metric":{}}]}}',
+            "bad sample",
+        ),
+    ],
+)
+def test_parse_rejects_unusable_answers(body: str, message: str) -> None:
+    with pytest.raises(PromQLError, match=message):
+        parse_vector(body, "instance")
+
+
+def test_default_queries_follow_the_label() -> None:
+    queries = default_queries("pod", rate_window="30s")
+    assert set(queries) == {"kv_usage", "queue", "running", "itl_ms", "gpu_mem_pct"}
+    assert all("by (pod)" in q for q in queries.values())
+    assert "[30s]" in queries["itl_ms"]
+    assert default_queries()["kv_usage"] == "max by (instance) (vllm:kv_cache_usage_perc)"
+
+
+def test_source_validates_arguments() -> None:
+    with pytest.raises(ValueError):
+        PromQLSource("http://p:9090", timeout_seconds=0)
+    with pytest.raises(ValueError):
+        PromQLSource("http://p:9090", queries={})
+
+
+# --- PromQLSource against a fake Prometheus API ---------------------------------------------
+
+FAKE_ANSWERS: dict[str, tuple[int, str]] = {
+    "q_kv": (
+        200,
+        vector(({"instance": "10.0.0.1:8000"}, "0.5"), ({"instance": "10.0.0.2:8000"}, "0.1")),
+    ),
+    "q_queue": (
+        200,
+        vector(({"instance": "10.0.0.1:8000"}, "4"), ({"instance": "10.9.9.9:1"}, "7")),
+    ),
+    "q_bad": (400, RECORDED_PARSE_ERROR),
+    "q_500": (503, "Service Unavailable"),
+    "q_scalar": (200, '{"status":"success","data":{"resultType":"scalar","result":[1,"1"]}}'),
+}
+
+
+async def _fake_prometheus() -> tuple[web.AppRunner, str, list[str]]:
+    seen: list[str] = []
+
+    async def query(request: web.Request) -> web.Response:
+        q = request.query["query"]
+        seen.append(q)
+        status, body = FAKE_ANSWERS[q]
+        return web.Response(status=status, text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/", seen
+
+
+def test_each_signal_fails_alone() -> None:
+    async def scenario() -> tuple[PromQLResult, list[str]]:
+        runner, url, seen = await _fake_prometheus()
+        queries = {s: f"q_{s}" for s in ("kv", "queue", "bad", "500", "scalar")}
+        source = PromQLSource(url, queries=queries)
+        try:
+            return await source.fetch(), seen
+        finally:
+            await source.close()
+            await runner.cleanup()
+
+    result, seen = asyncio.run(scenario())
+    assert sorted(seen) == sorted(f"q_{s}" for s in ("kv", "queue", "bad", "500", "scalar"))
+    assert result.values == {
+        "10.0.0.1:8000": {"kv": 0.5, "queue": 4.0},
+        "10.0.0.2:8000": {"kv": 0.1},
+        "10.9.9.9:1": {"queue": 7.0},
+    }
+    assert set(result.errors) == {"bad", "500", "scalar"}
+    assert result.errors["bad"].startswith("http: status 400 Bad Request; prometheus: bad_data")
+    assert result.errors["500"].startswith("http: status 503")
+    assert "resultType='scalar'" in result.errors["scalar"]
+
+
+def test_address_mapping_keeps_only_known_endpoints() -> None:
+    async def scenario() -> PromQLResult:
+        runner, url, _ = await _fake_prometheus()
+        source = PromQLSource(
+            url,
+            queries={"kv_usage": "q_kv", "queue": "q_queue"},
+            address_of={"10.0.0.1:8000": "pod-a:8000"},
+        )
+        try:
+            return await source.fetch()
+        finally:
+            await source.close()
+            await runner.cleanup()
+
+    result = asyncio.run(scenario())
+    assert result == PromQLResult(values={"pod-a:8000": {"kv_usage": 0.5, "queue": 4.0}})
+
+
+def test_prometheus_down_is_an_error_per_signal() -> None:
+    async def scenario(port: int) -> PromQLResult:
+        source = PromQLSource(f"http://127.0.0.1:{port}", timeout_seconds=2.0)
+        try:
+            return await source.fetch()
+        finally:
+            await source.close()
+
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as refused:
+        refused.bind(("127.0.0.1", 0))  # bound, not listening: connections are refused
+        result = asyncio.run(scenario(refused.getsockname()[1]))
+    assert result.values == {}
+    assert set(result.errors) == set(default_queries())
+    assert all(e.startswith("connect: ") for e in result.errors.values())
+
+
+# --- against a real Prometheus server -------------------------------------------------------
+
+
+def _prometheus_binary() -> str | None:
+    found = shutil.which("prometheus")
+    if found:
+        return found
+    return "/usr/bin/prometheus" if os.access("/usr/bin/prometheus", os.X_OK) else None
+
+
+PROMETHEUS = _prometheus_binary()
+ITL_SECONDS = {"a": 0.020, "b": 0.045}
+
+
+class FakeVllm:
+    """A vLLM + DCGM metrics page whose ITL histogram grows on every scrape."""
+
+    def __init__(self, kv: float, queue: int, running: int, used_mib: int, itl_s: float):
+        self.kv, self.queue, self.running, self.used_mib = kv, queue, running, used_mib
+        self.itl_s, self.scrapes = itl_s, 0
+
+    def page(self) -> str:
+        self.scrapes += 1
+        n, m = self.scrapes * 10, 'engine="0",model_name="m"'
+        gpu = 'gpu="0",UUID="GPU-1",modelName="NVIDIA H100 80GB HBM3"'
+        return (
+            f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{m}}} {self.kv}\n"
+            f"# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{m}}} {self.queue}\n"
+            f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{m}}} {self.running}\n"
+            "# TYPE vllm:inter_token_latency_seconds histogram\n"
+            f'vllm:inter_token_latency_seconds_bucket{{{m},le="+Inf"}} {n}\n'
+            f"vllm:inter_token_latency_seconds_count{{{m}}} {n}\n"
+            f"vllm:inter_token_latency_seconds_sum{{{m}}} {n * self.itl_s}\n"
+            f"# TYPE DCGM_FI_DEV_FB_USED gauge\nDCGM_FI_DEV_FB_USED{{{gpu}}} {self.used_mib}\n"
+            f"# TYPE DCGM_FI_DEV_FB_FREE gauge\nDCGM_FI_DEV_FB_FREE{{{gpu}}} {80000 - self.used_mib}\n"
+        )
+
+
+async def _serve(backend: FakeVllm) -> tuple[web.AppRunner, int]:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=backend.page())
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+def _free_port() -> int:
+    with closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _start_prometheus(tmp: Path, targets: list[str], port: int) -> subprocess.Popen[bytes]:
+    config = tmp / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\n  evaluation_interval: 1s\n"
+        "scrape_configs:\n  - job_name: vllm\n    static_configs:\n"
+        f"      - targets: {json.dumps(targets)}\n"
+    )
+    log = (tmp / "prometheus.log").open("wb")
+    return subprocess.Popen(
+        [
+            str(PROMETHEUS),
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp / 'data'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+            "--log.level=warn",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=5)
+
+
+async def _until(
+    source: PromQLSource,
+    done: Callable[[PromQLResult], bool],
+    proc: subprocess.Popen[bytes],
+    deadline_s: float = 60.0,
+) -> PromQLResult:
+    """Poll until ``done(result)``; fail (not hang) if Prometheus dies or never gets there."""
+    give_up = time.monotonic() + deadline_s
+    while True:
+        result = await source.fetch()
+        if done(result):
+            return result
+        assert proc.poll() is None, f"prometheus exited with {proc.returncode}"
+        assert time.monotonic() < give_up, f"condition never met; last result {result}"
+        await asyncio.sleep(0.5)
+
+
+def _complete(addresses: list[str], signals: set[str]) -> Callable[[PromQLResult], bool]:
+    return lambda r: all(signals <= set(r.values.get(a, {})) for a in addresses)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(PROMETHEUS is None, reason="prometheus binary not installed")
+def test_real_prometheus_scraping_vllm_backends(tmp_path: Path) -> None:
+    backends = {
+        "a": FakeVllm(kv=0.25, queue=3, running=9, used_mib=20000, itl_s=ITL_SECONDS["a"]),
+        "b": FakeVllm(kv=0.75, queue=0, running=2, used_mib=60000, itl_s=ITL_SECONDS["b"]),
+    }
+
+    async def scenario() -> None:
+        runners, ports = {}, {}
+        for name, backend in backends.items():
+            runners[name], ports[name] = await _serve(backend)
+        addr = {name: f"127.0.0.1:{port}" for name, port in ports.items()}
+        prom_port = _free_port()
+        proc = _start_prometheus(tmp_path, sorted(addr.values()), prom_port)
+        queries = default_queries() | {"broken": "max by (instance) (vllm:kv_cache_usage_perc"}
+        source = PromQLSource(f"http://127.0.0.1:{prom_port}", queries=queries)
+        try:
+            await _check_real(source, proc, addr, backends)
+        finally:
+            await source.close()
+            _stop(proc)
+            for runner in runners.values():
+                await runner.cleanup()
+
+    asyncio.run(scenario())
+
+
+async def _check_real(
+    source: PromQLSource,
+    proc: subprocess.Popen[bytes],
+    addr: dict[str, str],
+    backends: dict[str, FakeVllm],
+) -> None:
+    every = set(default_queries())
+    result = await _until(source, _complete(list(addr.values()), every), proc)
+    a, b = result.values[addr["a"]], result.values[addr["b"]]
+    assert (a["kv_usage"], a["queue"], a["running"]) == (0.25, 3.0, 9.0)
+    assert (b["kv_usage"], b["queue"], b["running"]) == (0.75, 0.0, 2.0)
+    assert (a["gpu_mem_pct"], b["gpu_mem_pct"]) == (25.0, 75.0)
+    assert a["itl_ms"] == pytest.approx(1000 * ITL_SECONDS["a"], rel=1e-6)
+    assert b["itl_ms"] == pytest.approx(1000 * ITL_SECONDS["b"], rel=1e-6)
+    assert set(result.errors) == {"broken"}
+    assert "bad_data" in result.errors["broken"]
+    assert "broken" not in a
+
+    # A value changed on a backend shows up through Prometheus.
+    backends["b"].kv = 0.125
+    await _until(source, lambda r: r.values.get(addr["b"], {}).get("kv_usage") == 0.125, proc)
