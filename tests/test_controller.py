@@ -28,7 +28,7 @@ class FakeScraper:
         self.pct: dict[str, float | None] = {}
         self.calls = 0
 
-    async def scrape(self, targets, now):
+    async def scrape(self, targets, now, parse=None):
         self.calls += 1
         out = {}
         for address in targets:

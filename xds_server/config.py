@@ -92,11 +92,31 @@ class ListenerConfig(_Addressed):
     address: str = "0.0.0.0:10000"
 
 
+SourceName = Literal["scrape", "prometheus", "static", "file"]
+
+
+class PrometheusSourceConfig(_Model):
+    url: str = "http://127.0.0.1:9090"
+    label: str = "instance"                 # the series label that names the endpoint
+    queries: dict[str, str] | None = None   # signal -> PromQL; default: vLLM + DCGM queries
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"expected an http:// or https:// URL, got {value!r}")
+        return value
+
+
 class TelemetryConfig(_Model):
     interval_seconds: float = Field(2.0, gt=0)
     stale_after_seconds: float = Field(6.0, gt=0)
     timeout_seconds: float | None = Field(None, gt=0)
     max_concurrency: int = Field(64, ge=1)
+    source: SourceName = "scrape"           # default for pools; a pool may pick its own
+    latency_window_seconds: float = Field(30.0, gt=0)  # decode latency: windowed mean ITL
+    prometheus: PrometheusSourceConfig = PrometheusSourceConfig()
+    file: str | None = None                 # source `file`: YAML/JSON {address: {signal: value}}
 
     @model_validator(mode="after")
     def _timeout_below_interval(self) -> TelemetryConfig:
@@ -112,16 +132,43 @@ class TelemetryConfig(_Model):
         return self.timeout_seconds if self.timeout_seconds is not None else self.interval_seconds * 0.8
 
 
+class CompositeConfig(_Model):
+    """The composite policy's knobs (weight_calculator/composite.py)."""
+
+    memory_mix: float = Field(0.40, ge=0)
+    queue_mix: float = Field(0.35, ge=0)
+    latency_mix: float = Field(0.25, ge=0)
+    queue_cap: float = Field(32.0, gt=0)
+    itl_slo_ms: float = Field(50.0, gt=0)
+    ewma_alpha: float = Field(0.5, gt=0, le=1)
+    deadband: float = Field(3.0, ge=0)
+    kv_degraded: float = Field(0.95, gt=0, le=1)
+    staleness: Literal["saturated", "hold", "ignore"] = "saturated"
+
+    @model_validator(mode="after")
+    def _some_mix(self) -> CompositeConfig:
+        if self.memory_mix + self.queue_mix + self.latency_mix <= 0:
+            raise ValueError("at least one of memory_mix, queue_mix, latency_mix must be > 0")
+        return self
+
+
 class WeightsConfig(_Model):
-    policy: Literal["gpu_memory"] = "gpu_memory"
+    policy: Literal["gpu_memory", "composite"] = "gpu_memory"
     max_weight: int = Field(100, ge=1, le=128)
+    composite: CompositeConfig = CompositeConfig()
 
 
 class EndpointConfig(_Addressed):
     metrics_url: str | None = None
+    dcgm_url: str | None = None     # the node's DCGM exporter, merged with the model server's page
+    gpu: str | None = None          # pick this GPU (DCGM label `gpu`) on a multi-GPU page
+    uuid: str | None = None         # ... or this one (DCGM label `UUID`)
+    capacity: float | None = Field(None, gt=0)   # KV-cache tokens, if the server doesn't say
+    instance: str | None = None     # source prometheus: the label value naming this endpoint
+    signals: dict[str, float] | None = None      # source static: fixed telemetry
     drain: bool = False
 
-    @field_validator("metrics_url")
+    @field_validator("metrics_url", "dcgm_url")
     @classmethod
     def _check_url(cls, value: str | None) -> str | None:
         if value is not None and not value.startswith(("http://", "https://")):
@@ -269,6 +316,8 @@ class PoolConfig(_Model):
     affinity: AffinityConfig | None = None
     health_check: HealthCheckConfig | None = None
     scaling: ScalingConfig | None = None
+    telemetry_source: SourceName | None = None  # default: telemetry.source
+    itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
 
     @field_validator("name")
     @classmethod
@@ -316,6 +365,9 @@ class PoolConfig(_Model):
 
     def all_endpoints(self) -> list[EndpointConfig]:
         return [ep for _, _, endpoints in self.clusters() for ep in endpoints]
+
+    def source(self, config: Config) -> str:
+        return self.telemetry_source or config.telemetry.source
 
     def size_classes(self) -> list[PromptClassConfig]:
         extra = [self.long_context] if self.long_context is not None else []
@@ -471,8 +523,22 @@ def _name_checks(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
+def _source_checks(config: Config) -> list[tuple[str, str]]:
+    problems = []
+    for p_index, pool in enumerate(config.pools):
+        source = pool.source(config)
+        if source == "file" and config.telemetry.file is None:
+            problems.append((f"pools[{p_index}]", "telemetry source `file` needs telemetry.file"))
+        if source != "static":
+            continue
+        for path, endpoint in _endpoint_paths(p_index, pool):
+            if endpoint.signals is None:
+                problems.append((f"{path}.signals", "telemetry source `static` needs signals"))
+    return problems
+
+
 def _cross_checks(config: Config) -> list[tuple[str, str]]:
-    problems = _name_checks(config) + _fallback_checks(config)
+    problems = _name_checks(config) + _fallback_checks(config) + _source_checks(config)
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)

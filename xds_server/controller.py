@@ -17,19 +17,20 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from weight_calculator.gpu_memory import compute_pool_weights
-from weight_calculator.types import GpuMemoryPolicy, PoolWeights
+from weight_calculator.types import PoolWeights
 
 from . import metrics, type_urls
 from .autoscale import Autoscaler
 from .cache import SnapshotCache
-from .config import Config
-from .resources import EndpointSetting, build_clusters, build_load_assignment
+from .config import Config, EndpointConfig
+from .resources import DEGRADED, HEALTHY, EndpointSetting, build_clusters, build_load_assignment
 from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
-from .slo import SloTracker, parse_slo, split_signals
+from .slo import SloTracker, split_signals
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
-from .telemetry import Scraper, ScrapeResult, TelemetryStore, parse_dcgm_memory
+from .sources import TelemetrySource, build_sources
+from .telemetry import Scraper, ScrapeResult, TelemetryStore
+from .weighing import LatencyWindow, cluster_weights
 
 log = logging.getLogger("trimtab.controller")
 
@@ -61,24 +62,25 @@ class Controller:
         self.canary_percent: dict[str, float] = {}
         self._own_scraper = scraper is None
         self.scraper = scraper or self._new_scraper(config)
+        self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
+        self.sources: dict[str, TelemetrySource] = {}
         self.apply_config(config)
 
     @staticmethod
     def _new_scraper(config: Config) -> Scraper:
-        return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency,
-                       parse=_with_slo if needs_slo(config) else parse_dcgm_memory)
+        return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
 
     def apply_config(self, config: Config) -> None:
         """Switch to a new (already validated) config; listener and routes are built here once."""
         self.config = config
-        self.policy = GpuMemoryPolicy(stale_after_seconds=config.telemetry.stale_after_seconds,
-                                      max_weight=config.weights.max_weight)
+        self.sources = build_sources(config, self.scraper, needs_slo(config))
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
         self._routes = build_route_config(config, self.canary_percent)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
+        self.latency.forget(addresses)
         self.rollouts.apply_config(config)
         self.autoscaler.apply_config(config)
         names = {name for pool in config.pools for name, _, _ in pool.clusters()}
@@ -92,21 +94,29 @@ class Controller:
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included)."""
+        old_sources = [s for k, s in self.sources.items() if k != "scrape"]
         if self._own_scraper:
             old, self.scraper = self.scraper, self._new_scraper(config)
             await old.close()
+        for source in old_sources:
+            await source.close()
         self.apply_config(config)
         self.ingest({})
         self.publish()
 
-    def targets(self) -> dict[str, str]:
-        return {ep.address: ep.scrape_url for pool in self.config.pools
-                for ep in pool.all_endpoints()}
+    async def collect(self) -> dict[str, ScrapeResult]:
+        """Read every endpoint through its pool's source, the sources concurrently."""
+        by_source: dict[str, dict[str, EndpointConfig]] = {}
+        for pool in self.config.pools:
+            group = by_source.setdefault(pool.source(self.config), {})
+            group.update({ep.address: ep for ep in pool.all_endpoints()})
+        answers = await asyncio.gather(*(self.sources[kind].collect(list(eps.values()), self.clock)
+                                         for kind, eps in by_source.items()))
+        return {address: result for answer in answers for address, result in answer.items()}
 
     async def tick(self) -> None:
         started = time.perf_counter()
-        results = await self.scraper.scrape(self.targets(), self.clock)
-        self.ingest(results)
+        self.ingest(await self.collect())
         if self.rollouts.pools:
             self.rollouts.tick(self.slo, self.clock())
             self.set_canary_percent(self.rollouts.percents())
@@ -122,6 +132,7 @@ class Controller:
             if result.signals is not None:
                 plain, slo = split_signals(result.signals)
                 self.slo.record(address, result.collected_at, slo)
+                self.latency.record(address, result.collected_at, plain)
                 result = replace(result, signals=plain)
             self.store.record(address, result)
         now = self.clock()
@@ -129,8 +140,8 @@ class Controller:
         for pool in self.config.pools:
             for cluster, _, endpoints in pool.clusters():
                 observations = self.store.observations(ep.address for ep in endpoints)
-                weights[cluster] = compute_pool_weights(observations, self.policy, now,
-                                                        self.weights.get(cluster))
+                weights[cluster] = cluster_weights(self.config, pool, endpoints, observations,
+                                                   self.latency, now, self.weights.get(cluster))
                 self._note_pool(cluster, weights[cluster], results)
         self.weights = weights
 
@@ -156,7 +167,7 @@ class Controller:
 
     def settings(self) -> dict[str, dict[str, EndpointSetting]]:
         """cluster -> address -> EDS setting."""
-        return {cluster: {address: EndpointSetting(ew.weight)
+        return {cluster: {address: EndpointSetting(ew.weight, _eds_health(ew.health))
                           for address, ew in pw.endpoints.items()}
                 for cluster, pw in self.weights.items()}
 
@@ -207,8 +218,9 @@ class Controller:
                 await asyncio.wait_for(stop.wait(), timeout=deadline - time.monotonic())
 
     async def close(self) -> None:
-        if self._own_scraper:
-            await self.scraper.close()
+        for kind, source in self.sources.items():
+            if kind != "scrape" or self._own_scraper:
+                await source.close()
 
 
 def needs_slo(config: Config) -> bool:
@@ -217,9 +229,9 @@ def needs_slo(config: Config) -> bool:
         pool.versions is not None or pool.scaling is not None for pool in config.pools)
 
 
-def _with_slo(text: str) -> dict[str, float]:
-    """Weight signals plus the SLO histograms canary gates need, from one page."""
-    return {**parse_dcgm_memory(text), **parse_slo(text)}
+def _eds_health(health: str) -> str:
+    """Only DEGRADED reaches EDS; stale or invalid telemetry is expressed through weight."""
+    return DEGRADED if health == DEGRADED else HEALTHY
 
 
 def _describe_change(previous: Snapshot | None, snapshot: Snapshot) -> str:

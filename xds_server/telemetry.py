@@ -134,15 +134,18 @@ class Scraper:
             self._session = None
 
     async def scrape(
-        self, targets: Mapping[str, str], now: Callable[[], float]
+        self, targets: Mapping[str, str], now: Callable[[], float],
+        parse: Callable[[str], dict[str, float]] | None = None,
     ) -> dict[str, ScrapeResult]:
-        """Scrape every ``address -> metrics_url`` target; failures stay per endpoint."""
+        """Scrape every ``address -> metrics_url`` target; failures stay per endpoint.
+        ``parse`` overrides the scraper's page parser for this call."""
         if not targets:
             return {}
         session, semaphore = self._ensure_session()
         addresses = sorted(targets)
+        parser = parse or self._parse
         results = await asyncio.gather(
-            *(self._scrape_one(session, semaphore, targets[a], now) for a in addresses)
+            *(self._scrape_one(session, semaphore, targets[a], now, parser) for a in addresses)
         )
         return dict(zip(addresses, results, strict=True))
 
@@ -152,6 +155,7 @@ class Scraper:
         semaphore: asyncio.Semaphore,
         url: str,
         now: Callable[[], float],
+        parse: Callable[[str], dict[str, float]],
     ) -> ScrapeResult:
         async with semaphore:
             try:
@@ -167,7 +171,7 @@ class Scraper:
                 return ScrapeResult(None, f"fetch: {_describe(exc)}", now())
             collected_at = now()
         try:
-            signals = self._parse(body.decode("utf-8"))
+            signals = parse(body.decode("utf-8"))
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         return ScrapeResult(signals, None, collected_at)

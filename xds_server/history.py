@@ -1,0 +1,71 @@
+"""A bounded, in-memory history of the weights trimtab held, for the status page's charts.
+
+One point per tick: `(at, {pool: {address: weight}})`. The oldest points fall off once
+`max_points` are held (300 = 10 minutes at the default 2 s tick). Pure: no I/O, no clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_WINDOW_SECONDS = 600.0
+DEFAULT_MAX_POINTS = 300
+
+PoolWeightMap = dict[str, dict[str, int]]  # pool -> address -> weight
+
+
+@dataclass(frozen=True)
+class HistoryPoint:
+    at: float  # the controller clock (unix seconds) when the weights were recorded
+    weights: PoolWeightMap
+
+
+class WeightHistory:
+    """A ring buffer of weight points. `record` after each tick; `document` for `/v1/history`."""
+
+    def __init__(self, max_points: int = DEFAULT_MAX_POINTS) -> None:
+        if max_points < 1:
+            raise ValueError(f"max_points must be >= 1, got {max_points}")
+        self.max_points = max_points
+        self._points: deque[HistoryPoint] = deque(maxlen=max_points)
+
+    @classmethod
+    def for_interval(cls, interval_seconds: float,
+                     window_seconds: float = DEFAULT_WINDOW_SECONDS) -> WeightHistory:
+        """Enough points to cover `window_seconds` at one point per tick."""
+        return cls(max(1, math.ceil(window_seconds / interval_seconds)))
+
+    def __len__(self) -> int:
+        return len(self._points)
+
+    def record(self, at: float, weights_doc: Mapping[str, Any]) -> None:
+        """Add a point from a `/v1/weights` document (`{"pools": {pool: {address: {"weight"}}}}`).
+
+        A point at the same time as the last one replaces it; a clock that stepped backwards
+        restarts the history (points stay ordered, so `since` queries stay correct)."""
+        point = HistoryPoint(float(at), _weights_of(weights_doc))
+        if self._points and point.at <= self._points[-1].at:
+            if point.at < self._points[-1].at:
+                self._points.clear()
+            else:
+                self._points.pop()
+        self._points.append(point)
+
+    def document(self, since: float | None = None) -> dict[str, Any]:
+        """The points recorded strictly after `since` (all when None), oldest first."""
+        points = [p for p in self._points if since is None or p.at > since]
+        return {
+            "max_points": self.max_points,
+            "oldest_at": self._points[0].at if self._points else None,
+            "latest_at": self._points[-1].at if self._points else None,
+            "points": [{"at": p.at, "weights": p.weights} for p in points],
+        }
+
+
+def _weights_of(weights_doc: Mapping[str, Any]) -> PoolWeightMap:
+    return {pool: {address: int(endpoint["weight"]) for address, endpoint in endpoints.items()}
+            for pool, endpoints in weights_doc.get("pools", {}).items()}

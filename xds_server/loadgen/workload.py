@@ -1,0 +1,237 @@
+"""Workload specs and their deterministic open-loop schedules.
+
+A workload (YAML) gives an arrival process at a mean rate, a mixture of request classes
+(prompt-length and max_tokens distributions), model names and wire options.
+:func:`build_schedule` turns it into a list of :class:`PlannedRequest` that depends only on
+the seed, the rate and the duration. Arrival times and request attributes use separate
+random streams, so the k-th request has the same class and sizes at every rate of a sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class WorkloadError(ValueError):
+    """The workload spec is invalid."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Dist(_Strict):
+    """An integer distribution: fixed, uniform, loguniform, or lognormal clipped to [min, max]."""
+
+    dist: Literal["fixed", "uniform", "loguniform", "lognormal"] = "uniform"
+    value: int | None = Field(None, ge=1)
+    min: int | None = Field(None, ge=1)
+    max: int | None = Field(None, ge=1)
+    median: float | None = Field(None, gt=0)
+    sigma: float | None = Field(None, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> Dist:
+        if self.dist == "fixed":
+            if self.value is None:
+                raise ValueError("a fixed distribution needs 'value'")
+            return self
+        if self.min is None or self.max is None or self.min > self.max:
+            raise ValueError(f"a {self.dist} distribution needs min <= max")
+        if self.dist == "lognormal" and (self.median is None or self.sigma is None):
+            raise ValueError("a lognormal distribution needs 'median' and 'sigma'")
+        return self
+
+    def sample(self, rng: random.Random) -> int:
+        if self.dist == "fixed":
+            return int(self.value or 1)
+        lo, hi = int(self.min or 1), int(self.max or 1)
+        if self.dist == "uniform":
+            return rng.randint(lo, hi)
+        if self.dist == "loguniform":
+            x = math.exp(rng.uniform(math.log(lo), math.log(hi + 1)))
+        else:
+            x = rng.lognormvariate(math.log(self.median or 1.0), self.sigma or 1.0)
+        return max(lo, min(hi, int(x)))
+
+
+class RequestClass(_Strict):
+    name: str = Field(min_length=1)
+    weight: float = Field(gt=0)
+    prompt_tokens: Dist
+    max_tokens: Dist
+
+
+class ModelChoice(_Strict):
+    name: str = Field(min_length=1)
+    weight: float = Field(1.0, gt=0)
+
+
+class Arrival(_Strict):
+    """Poisson at ``rate``, or on/off modulated Poisson with the same mean rate: ``on_s``
+    seconds at ``burst_factor`` x rate, then ``off_s`` seconds at whatever rate keeps the
+    mean (0 when burst_factor = (on_s + off_s) / on_s)."""
+
+    kind: Literal["poisson", "bursty"] = "poisson"
+    on_s: float = Field(5.0, gt=0)
+    off_s: float = Field(5.0, gt=0)
+    burst_factor: float = Field(2.0, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> Arrival:
+        if self.on_s * self.burst_factor > self.on_s + self.off_s + 1e-9:
+            raise ValueError("burst_factor too high: the off-period rate would be negative")
+        return self
+
+
+class Sweep(_Strict):
+    rates: list[float] = Field(min_length=1)
+    duration_s: float | None = Field(None, gt=0)
+
+
+class Workload(_Strict):
+    name: str = "workload"
+    seed: int = 0
+    rate: float = Field(gt=0, description="mean arrivals per second")
+    duration_s: float = Field(gt=0)
+    arrival: Arrival = Arrival()
+    endpoint: Literal["chat", "completions"] = "chat"
+    stream: bool = True
+    models: list[ModelChoice] = Field(
+        default_factory=lambda: [ModelChoice(name="meta-llama/Llama-3.1-8B-Instruct")])
+    classes: list[RequestClass] = Field(min_length=1)
+    realistic_bodies: bool = Field(False, description="send ~4 bytes of text per token")
+    max_prompt_bytes: int = Field(1024, ge=1, description="text cap when not realistic")
+    timeout_s: float = Field(300.0, gt=0)
+    max_connections: int = Field(4096, ge=1)
+    sweep: Sweep | None = None
+
+
+def parse_workload(data: Any) -> Workload:
+    try:
+        return Workload.model_validate(data)
+    except ValidationError as exc:
+        raise WorkloadError(str(exc)) from exc
+
+
+def load_workload(path: str | Path) -> Workload:
+    """Read and validate a workload YAML file; raises :class:`WorkloadError`."""
+    try:
+        data = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        raise WorkloadError(f"cannot read {path}: {exc}") from exc
+    return parse_workload(data)
+
+
+@dataclass(frozen=True)
+class PlannedRequest:
+    index: int
+    at: float  # seconds after the run starts
+    cls: str
+    model: str
+    prompt_tokens: int
+    max_tokens: int
+
+
+def arrival_times(arrival: Arrival, rate: float, duration: float,
+                  rng: random.Random) -> list[float]:
+    """Open-loop arrival instants in ``[0, duration)``."""
+    if arrival.kind == "poisson":
+        segments = [(duration, rate)]
+    else:
+        hi = rate * arrival.burst_factor
+        lo = max(0.0, rate * (arrival.on_s + arrival.off_s - arrival.on_s
+                              * arrival.burst_factor) / arrival.off_s)
+        segments = []
+        t, on = 0.0, True
+        while t < duration:
+            length = arrival.on_s if on else arrival.off_s
+            segments.append((min(length, duration - t), hi if on else lo))
+            t += length
+            on = not on
+    return _piecewise_poisson(segments, rng)
+
+
+def _piecewise_poisson(segments: list[tuple[float, float]], rng: random.Random) -> list[float]:
+    """Poisson arrivals over consecutive ``(length, rate)`` segments (time rescaling)."""
+    out: list[float] = []
+    start = 0.0
+    need = rng.expovariate(1.0)  # integrated intensity until the next arrival
+    for length, rate in segments:
+        t, end = start, start + length
+        while rate > 0 and need <= rate * (end - t):
+            t += need / rate
+            out.append(t)
+            need = rng.expovariate(1.0)
+        if rate > 0:
+            need -= rate * (end - t)
+        start = end
+    return out
+
+
+def _pick(rng: random.Random, items: list[Any], weights: list[float]) -> Any:
+    return rng.choices(items, weights=weights, k=1)[0]
+
+
+def sample_request(w: Workload, rng: random.Random) -> tuple[str, str, int, int]:
+    """``(class, model, prompt_tokens, max_tokens)`` for one request."""
+    cls = _pick(rng, w.classes, [c.weight for c in w.classes])
+    model = _pick(rng, w.models, [m.weight for m in w.models])
+    return cls.name, model.name, cls.prompt_tokens.sample(rng), cls.max_tokens.sample(rng)
+
+
+def build_schedule(w: Workload, *, rate: float | None = None, duration: float | None = None,
+                   seed: int | None = None) -> list[PlannedRequest]:
+    """The run's requests in send order; same inputs, same schedule."""
+    seed = w.seed if seed is None else seed
+    times = arrival_times(w.arrival, rate or w.rate, duration or w.duration_s,
+                          random.Random(f"{seed}/arrivals/{rate or w.rate}"))
+    attrs = random.Random(f"{seed}/requests")
+    out = []
+    for i, t in enumerate(times):
+        cls, model, prompt, max_tokens = sample_request(w, attrs)
+        out.append(PlannedRequest(i, t, cls, model, prompt, max_tokens))
+    return out
+
+
+def request_samples(w: Workload, n: int, seed: int | None = None) -> list[tuple[int, int]]:
+    """``n`` ``(prompt_tokens, max_tokens)`` pairs from the workload's mixture."""
+    rng = random.Random(f"{w.seed if seed is None else seed}/requests")
+    return [sample_request(w, rng)[2:] for _ in range(n)]
+
+
+_FILLER = ("lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+           "incididunt ut labore et dolore magna aliqua ") * 64
+
+
+def prompt_text(tokens: int, w: Workload) -> str:
+    """Synthetic text of ~4 bytes per token, capped unless ``realistic_bodies``."""
+    size = 4 * tokens if w.realistic_bodies else min(4 * tokens, w.max_prompt_bytes)
+    reps = size // len(_FILLER) + 1
+    return (_FILLER * reps)[:size]
+
+
+def request_body(p: PlannedRequest, w: Workload) -> bytes:
+    """The JSON body for one planned request (OpenAI shape plus the ``prompt_tokens`` hint)."""
+    text = prompt_text(p.prompt_tokens, w)
+    body: dict[str, Any] = {"model": p.model, "max_tokens": p.max_tokens, "stream": w.stream,
+                            "ignore_eos": True, "prompt_tokens": p.prompt_tokens}
+    if w.endpoint == "chat":
+        body["messages"] = [{"role": "user", "content": text}]
+    else:
+        body["prompt"] = text
+    if w.stream:
+        body["stream_options"] = {"include_usage": True}
+    return json.dumps(body).encode()
+
+
+def endpoint_path(w: Workload) -> str:
+    return "/v1/chat/completions" if w.endpoint == "chat" else "/v1/completions"

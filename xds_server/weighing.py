@@ -1,0 +1,92 @@
+"""From what telemetry knows to one cluster's weights, through the configured pure policy.
+
+Adds what the policies leave to the caller: the windowed decode latency (ITL) from histogram
+deltas, the configured capacity, and the warm-up weight of an endpoint whose telemetry has
+not arrived yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
+from weight_calculator.composite import (
+    CompositePolicy,
+    EndpointInput,
+    Signals,
+    compute_composite_weights,
+)
+from weight_calculator.gpu_memory import compute_pool_weights
+from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
+
+from .adapters import HistogramHistory, histogram_from_signals
+from .config import Config, EndpointConfig, PoolConfig
+
+
+def gpu_memory_policy(config: Config) -> GpuMemoryPolicy:
+    return GpuMemoryPolicy(stale_after_seconds=config.telemetry.stale_after_seconds,
+                           max_weight=config.weights.max_weight)
+
+
+def composite_policy(config: Config, pool: PoolConfig) -> CompositePolicy:
+    knobs = config.weights.composite.model_dump()
+    if pool.itl_slo_ms is not None:
+        knobs["itl_slo_ms"] = pool.itl_slo_ms
+    return CompositePolicy(**knobs, max_weight=config.weights.max_weight,
+                           stale_after_seconds=config.telemetry.stale_after_seconds)
+
+
+class LatencyWindow:
+    """Windowed mean ITL per endpoint from cumulative ``itl_sum``/``itl_count`` signals."""
+
+    def __init__(self, window_s: float) -> None:
+        self.history = HistogramHistory(window_s, max_samples=256)
+
+    def record(self, address: str, at: float, signals: Mapping[str, float]) -> None:
+        state = histogram_from_signals(signals, "itl")
+        if state is not None:
+            self.history.record(address, at, state)
+
+    def itl_ms(self, address: str, now: float) -> float | None:
+        mean = self.history.mean(address, now)
+        return mean * 1000.0 if mean is not None else None
+
+    def forget(self, keep: set[str]) -> None:
+        self.history.forget(lambda key: key in keep)
+
+
+def _composite_input(endpoint: EndpointConfig, obs: Observation, itl: float | None
+                     ) -> EndpointInput:
+    if obs.sample is None:
+        return EndpointInput(None, None, obs.error, endpoint.capacity)
+    values = dict(obs.sample.signals)
+    if itl is not None and "itl_ms" not in values:
+        values["itl_ms"] = itl
+    return EndpointInput(Signals.from_mapping(values), obs.sample.collected_at, obs.error,
+                         endpoint.capacity)
+
+
+def _warm_up(weights: PoolWeights, observations: Mapping[str, Observation],
+             warmup_weight: int) -> PoolWeights:
+    if weights.fail_static:
+        return weights
+    endpoints = dict(weights.endpoints)
+    for address, obs in observations.items():
+        if obs.sample is None and address in endpoints:
+            endpoints[address] = replace(endpoints[address], weight=warmup_weight,
+                                         reason=f"warming up: no telemetry yet ({obs.error})"
+                                         if obs.error else "warming up: no telemetry yet")
+    return PoolWeights(endpoints=endpoints, fail_static=False)
+
+
+def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
+                    observations: Mapping[str, Observation], latency: LatencyWindow,
+                    now: float, previous: PoolWeights | None) -> PoolWeights:
+    if config.weights.policy == "composite":
+        inputs = {ep.address: _composite_input(ep, observations[ep.address],
+                                               latency.itl_ms(ep.address, now))
+                  for ep in endpoints}
+        weights = compute_composite_weights(inputs, composite_policy(config, pool), now, previous)
+    else:
+        weights = compute_pool_weights(observations, gpu_memory_policy(config), now, previous)
+    return _warm_up(weights, observations, min(pool.warmup_weight, config.weights.max_weight))
