@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import signal
@@ -50,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", required=True, help="path to the YAML config")
     validate = sub.add_parser("validate", help="check a config; exit 2 naming what is wrong")
     validate.add_argument("--config", required=True, help="path to the YAML config")
+    weights = sub.add_parser("weights", help="read telemetry once; show every input and weight")
+    weights.add_argument("--config", required=True, help="path to the YAML config")
+    weights.add_argument("--json", action="store_true", help="JSON rows instead of a table")
+    agent = sub.add_parser("agent", help="serve this node's GPUs (NVML) in DCGM metric names")
+    agent.add_argument("--listen", default="0.0.0.0:9400", help="host:port (default 0.0.0.0:9400)")
     ro = sub.add_parser("rollout", help="show or steer canary rollouts through the admin API")
     ro.add_argument("action", choices=["status", "pause", "resume", "promote", "abort"])
     ro.add_argument("pool", nargs="?", help="the pool (required except for status)")
@@ -104,6 +110,37 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return asyncio.run(_serve(args))
 
 
+def cmd_weights(args: argparse.Namespace) -> int:
+    from .explain import explain
+
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(explain(config, as_json=args.json))
+    return 0
+
+
+def cmd_agent(args: argparse.Namespace) -> int:
+    from .config import parse_host_port
+    from .nvml_agent import NvmlUnavailable, PynvmlReader, serve_agent
+
+    try:
+        where = parse_host_port(args.listen)
+    except ValueError as exc:
+        print(f"trimtab: --listen: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        reader = PynvmlReader()
+    except NvmlUnavailable as exc:
+        print(f"trimtab: agent: {exc}", file=sys.stderr)
+        return 1
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(serve_agent(reader, where.host, where.port))
+    return 0
+
+
 def _admin_url(args: argparse.Namespace) -> str:
     if args.admin:
         return args.admin.rstrip("/")
@@ -144,7 +181,8 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
-    handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout}
+    handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout,
+                "weights": cmd_weights, "agent": cmd_agent}
     return handlers[args.command](args)
 
 
