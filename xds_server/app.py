@@ -14,6 +14,7 @@ from .admin import AdminApi, start_admin
 from .cache import SnapshotCache
 from .config import Config, ConfigError, load_config
 from .controller import Controller
+from .discovery import Discovery
 from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .nack_log import NackLog
@@ -39,6 +40,7 @@ class Trimtab:
         self.config_path = config_path
         self.cache = SnapshotCache()
         self.controller = Controller(config, self.cache, state_file=state_file_path(config, config_path))
+        self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
         self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
         self._grpc: grpc.aio.Server | None = None
@@ -66,6 +68,7 @@ class Trimtab:
         admin = self.config.admin.host_port
         api = AdminApi(self.controller, self.ready, self.servicer, self.nacks)
         self._admin = await start_admin(api, admin.host, admin.port)
+        self.discovery.start(self.config)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
                  self.config.admin.address, len(self.config.pools))
 
@@ -98,11 +101,18 @@ class Trimtab:
                 log.warning("reload: %s.address changes need a restart; keeping %s", key,
                             getattr(self.config, key).address)
         self.config = config.model_copy(update={"xds": self.config.xds, "admin": self.config.admin})
-        await self.controller.reload(self.config)
+        await self.discovery.close()
+        await self.controller.reload(self.discovery.effective(self.config))
+        self.discovery.start(self.config)
         log.info("reloaded config from %s", self.config_path)
         return True
 
+    def _apply_discovered(self, config: Config) -> None:
+        self.controller.apply_config(config)
+        self.controller.publish()
+
     async def close(self) -> None:
+        await self.discovery.close()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._scaler is not None:

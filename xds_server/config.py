@@ -297,6 +297,17 @@ class ScalingConfig(_Model):
         return self
 
 
+class KubernetesDiscoveryConfig(_Model):
+    namespace: str = Field(min_length=1)
+    service: str = Field(min_length=1)
+    port_name: str | None = None        # the EndpointSlice port; default: the only port
+    api_server: str | None = None       # default: in-cluster service account, else kubeconfig
+
+
+class DiscoveryConfig(_Model):
+    kubernetes: KubernetesDiscoveryConfig
+
+
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
@@ -316,6 +327,7 @@ class PoolConfig(_Model):
     affinity: AffinityConfig | None = None
     health_check: HealthCheckConfig | None = None
     scaling: ScalingConfig | None = None
+    discovery: DiscoveryConfig | None = None    # endpoints from Kubernetes EndpointSlices
     telemetry_source: SourceName | None = None  # default: telemetry.source
     itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
 
@@ -329,9 +341,12 @@ class PoolConfig(_Model):
 
     @model_validator(mode="after")
     def _endpoints_or_versions(self) -> PoolConfig:
+        if self.discovery is not None and self.versions is not None:
+            raise ValueError("`discovery` and `versions` cannot be combined yet")
         if self.versions is None:
-            if not self.endpoints:
-                raise ValueError("needs `endpoints` (or `versions: {stable, canary}`)")
+            if not self.endpoints and self.discovery is None:
+                raise ValueError("needs `endpoints` (or `versions: {stable, canary}`, or "
+                                 "`discovery`)")
             if self.rollout is not None:
                 raise ValueError("`rollout` needs `versions: {stable, canary}`")
         elif self.endpoints:
