@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from tests.support import BackendFleet
 from xds_server.envoy_process import (
@@ -134,3 +136,15 @@ def test_fleet_metrics_are_mutable_and_can_fail() -> None:
         fleet.set_metrics_mode(0, "ok")
         assert _metric(_get(url)[1], "DCGM_FI_DEV_FB_USED") == 30000
         assert fleet.scrape_count(0) == 5 and fleet.request_count(0) == 0
+
+
+def test_top_level_bootstrap_validates_and_matches_the_local_example() -> None:
+    root = Path(__file__).resolve().parents[1]
+    bootstrap = root / "envoy-bootstrap.yaml"
+    config = yaml.safe_load(bootstrap.read_text())
+    xds_port = int(yaml.safe_load((root / "examples" / "local.yaml").read_text())
+                   ["xds"]["address"].rsplit(":", 1)[1])
+    assert config == render_bootstrap(xds_host="127.0.0.1", xds_port=xds_port, admin_port=9901)
+    cmd = [envoy_binary(), "--mode", "validate", "--disable-hot-restart", "-c", str(bootstrap)]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr

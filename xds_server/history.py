@@ -1,6 +1,7 @@
 """A bounded, in-memory history of the weights trimtab held, for the status page's charts.
 
-One point per tick: `(at, {pool: {address: weight}})`. The oldest points fall off once
+One point per tick: `(at, {pool: {address: weight}})`, plus which endpoints were stale then
+(the chart marks those stretches). The oldest points fall off once
 `max_points` are held (300 = 10 minutes at the default 2 s tick). Pure: no I/O, no clock.
 """
 
@@ -16,12 +17,14 @@ DEFAULT_WINDOW_SECONDS = 600.0
 DEFAULT_MAX_POINTS = 300
 
 PoolWeightMap = dict[str, dict[str, int]]  # pool -> address -> weight
+PoolStaleMap = dict[str, list[str]]  # pool -> its stale addresses (pools with none left out)
 
 
 @dataclass(frozen=True)
 class HistoryPoint:
     at: float  # the controller clock (unix seconds) when the weights were recorded
     weights: PoolWeightMap
+    stale: PoolStaleMap
 
 
 class WeightHistory:
@@ -47,7 +50,7 @@ class WeightHistory:
 
         A point at the same time as the last one replaces it; a clock that stepped backwards
         restarts the history (points stay ordered, so `since` queries stay correct)."""
-        point = HistoryPoint(float(at), _weights_of(weights_doc))
+        point = HistoryPoint(float(at), *_weights_of(weights_doc))
         if self._points and point.at <= self._points[-1].at:
             if point.at < self._points[-1].at:
                 self._points.clear()
@@ -62,10 +65,14 @@ class WeightHistory:
             "max_points": self.max_points,
             "oldest_at": self._points[0].at if self._points else None,
             "latest_at": self._points[-1].at if self._points else None,
-            "points": [{"at": p.at, "weights": p.weights} for p in points],
+            "points": [{"at": p.at, "weights": p.weights, "stale": p.stale} for p in points],
         }
 
 
-def _weights_of(weights_doc: Mapping[str, Any]) -> PoolWeightMap:
-    return {pool: {address: int(endpoint["weight"]) for address, endpoint in endpoints.items()}
-            for pool, endpoints in weights_doc.get("pools", {}).items()}
+def _weights_of(weights_doc: Mapping[str, Any]) -> tuple[PoolWeightMap, PoolStaleMap]:
+    pools: Mapping[str, Mapping[str, Mapping[str, Any]]] = weights_doc.get("pools", {})
+    weights = {pool: {address: int(endpoint["weight"]) for address, endpoint in endpoints.items()}
+               for pool, endpoints in pools.items()}
+    stale = {pool: sorted(a for a, endpoint in endpoints.items() if endpoint.get("stale"))
+             for pool, endpoints in pools.items()}
+    return weights, {pool: addresses for pool, addresses in stale.items() if addresses}

@@ -178,7 +178,7 @@ class XdsServicer:
         metrics.PUSH_RESOURCES.labels(type=kind).inc(len(response.resources))
         metrics.PUSH_BYTES.labels(type=kind).inc(len(data))
         metrics.PUSH_SECONDS.labels(type=kind).observe(time.perf_counter() - started)
-        log.debug("push %s v%s nonce %s to %r: %d resources, %d removed", kind, response.version,
+        log.info("push %s v%s nonce %s to %r: %d resources, %d removed", kind, response.version,
                   response.nonce, info.node_id, len(response.resources), len(response.removed))
 
 

@@ -81,7 +81,8 @@ async def _main(args: argparse.Namespace, w: Workload) -> tuple[dict[str, Any], 
     if not rates:
         result = await _run_one(args, w, None)
         return summarize(result), result.records
-    reports, records = [], []
+    reports: list[dict[str, Any]] = []
+    records: list[Any] = []
     duration = args.duration or (w.sweep.duration_s if w.sweep else None)
     args.duration = duration
     for rate in rates:

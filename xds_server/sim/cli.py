@@ -70,7 +70,8 @@ def capacity_table(spec: FleetSpec, workload_path: str, samples: int) -> dict[st
 
     workload = load_workload(workload_path)
     pairs = request_samples(workload, samples)
-    rows, cache = [], {}
+    rows: list[dict[str, Any]] = []
+    cache: dict[tuple[Any, float], tuple[float, float]] = {}
     for config in expand(spec):
         key = (config.gpu, config.faults.slow)
         if key not in cache:
@@ -81,7 +82,7 @@ def capacity_table(spec: FleetSpec, workload_path: str, samples: int) -> dict[st
         rps, tps = (0.0, 0.0) if config.faults.dead else cache[key]
         rows.append({"name": config.name, "gpu": config.gpu.name, "req_per_s": rps,
                      "output_tokens_per_s": tps})
-    total = sum(r["req_per_s"] for r in rows)
+    total = float(sum(r["req_per_s"] for r in rows))
     return {"workload": workload.name, "samples": samples, "servers": rows,
             "total_req_per_s": total, "workload_rate": workload.rate,
             "workload_load_fraction": workload.rate / total if total else None}

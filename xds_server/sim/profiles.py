@@ -160,7 +160,13 @@ def kv_capacity_tokens(gpu: GpuProfile, model: ModelProfile) -> int:
     return blocks * gpu.block_size
 
 
-def with_overrides(gpu: GpuProfile, **overrides: object) -> GpuProfile:
-    """A copy of ``gpu`` with the given fields replaced (``None`` values are ignored)."""
-    changes = {k: v for k, v in overrides.items() if v is not None}
-    return replace(gpu, **changes) if changes else gpu
+def with_overrides(gpu: GpuProfile, *, max_num_seqs: int | None = None,
+                   max_num_batched_tokens: int | None = None,
+                   gpu_memory_utilization: float | None = None) -> GpuProfile:
+    """A copy of ``gpu`` with the given scheduler/memory settings (``None`` keeps a field)."""
+    return replace(
+        gpu,
+        max_num_seqs=max_num_seqs or gpu.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens or gpu.max_num_batched_tokens,
+        gpu_memory_utilization=gpu_memory_utilization or gpu.gpu_memory_utilization,
+    )

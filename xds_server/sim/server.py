@@ -264,8 +264,9 @@ class SimServer:
             while req.finished_at is None:
                 await client.event.wait()
                 client.event.clear()
-                if req.aborted:  # the server was stopped: cut the stream short
-                    resp.force_close()
+                if req.aborted:  # the server was stopped: cut the connection mid-stream
+                    if request.transport is not None:
+                        request.transport.close()
                     return resp
                 new = req.generated - client.sent
                 if new > 0:

@@ -202,7 +202,7 @@
     if (stale) flags.push(el("span", { class: "flag bad" }, `${stale} stale`));
     section.querySelector(".pool-flags").replaceChildren(...flags);
     renderChart(section.querySelector(".chart-box"), name, addresses, endpoints);
-    renderLegend(section.querySelector("tbody"), addresses, endpoints);
+    renderLegend(section.querySelector("tbody"), name, addresses, endpoints);
   }
 
   function colorOf(addresses, address) {
@@ -230,21 +230,28 @@
     return gaps.length ? gaps[Math.floor(gaps.length / 2)] : Infinity;
   }
 
+  function isStale(point, pool, address) {
+    return ((point.stale || {})[pool] || []).includes(address);
+  }
+
   function seriesPath(pool, address, g) {
     // A step line (a weight holds until the next tick), broken where the endpoint is missing
-    // or the history has a hole (a restart).
+    // or the history has a hole (a restart). `band` covers the stretches it was stale.
     const maxGap = 3 * typicalGap();
     let d = "";
+    let band = "";
     let last = null;
     for (const p of state.points) {
       const w = (p.weights[pool] || {})[address];
       if (w === undefined) { last = null; continue; }
       const px = g.x(p.at).toFixed(1);
       const py = g.y(w).toFixed(1);
-      d += last === null || p.at - last.at > maxGap ? `M${px},${py}` : `H${px}V${py}`;
-      last = { at: p.at, w };
+      const joined = last !== null && p.at - last.at <= maxGap;
+      d += joined ? `H${px}V${py}` : `M${px},${py}`;
+      if (joined && last.stale) band += `M${g.x(last.at).toFixed(1)},${g.y(last.w).toFixed(1)}H${px}V${py}`;
+      last = { at: p.at, w, stale: isStale(p, pool, address) };
     }
-    return { d, last };
+    return { d, band, last };
   }
 
   function drawAxes(root, g) {
@@ -269,20 +276,26 @@
       role: "img", "aria-label": `weights of pool ${pool} over time`, "data-pool": pool,
       "data-latest-at": state.latestAt ?? "" });
     drawAxes(root, g);
-    for (const address of addresses) {
-      const { d, last } = seriesPath(pool, address, g);
-      if (!last) continue;
+    const series = addresses.map((address) => ({ address, ...seriesPath(pool, address, g) }))
+      .filter((s) => s.last);
+    for (const s of series.filter((s) => s.band)) {
+      root.append(svg("path", { class: "stale-band", d: s.band, "data-endpoint": s.address }));
+    }
+    for (const { address, d, last } of series) {
       const color = colorOf(addresses, address);
-      const cls = endpoints[address].stale ? "series stale" : "series";
-      const path = svg("path", { class: cls, d, stroke: color, "data-endpoint": address, "data-weight": last.w });
+      const path = svg("path", { class: "series", d, stroke: color, "data-endpoint": address, "data-weight": last.w });
       path.append(svg("title", {}, `${address}: ${last.w}`));
-      root.append(path, svg("circle", { class: "last-point", cx: g.x(last.at), cy: g.y(last.w), r: 3,
-        fill: color, "data-endpoint": address, "data-weight": last.w }));
+      root.append(path, svg("circle", { class: endpoints[address].stale ? "last-point stale" : "last-point",
+        cx: g.x(last.at), cy: g.y(last.w), r: 3.5, fill: color, "data-endpoint": address, "data-weight": last.w }));
+    }
+    if (series.some((s) => s.band)) {
+      root.append(svg("text", { class: "axis band-note", x: g.width - PAD.r, y: PAD.t - 1, "text-anchor": "end" },
+        "red band: stale telemetry"));
     }
     if (!state.points.length) {
       root.append(svg("text", { class: "axis", x: width / 2, y: CHART_H / 2, "text-anchor": "middle" }, "no history yet"));
     }
-    root.append(svg("line", { class: "cursor", x1: -10, x2: -10, y1: PAD.t, y2: CHART_H - PAD.b }));
+    root.append(svg("line", { class: "cursor", x1: 0, x2: 0, y1: PAD.t, y2: CHART_H - PAD.b, visibility: "hidden" }));
     const tip = box.querySelector(".tip") || el("div", { class: "tip", hidden: "" });
     box.replaceChildren(root, tip);
     box._geometry = { g, addresses };
@@ -299,8 +312,7 @@
     box.addEventListener("mouseleave", () => {
       state.hover.delete(pool);
       box.querySelector(".tip").hidden = true;
-      box.querySelector(".cursor")?.setAttribute("x1", -10);
-      box.querySelector(".cursor")?.setAttribute("x2", -10);
+      box.querySelector(".cursor")?.setAttribute("visibility", "hidden");
     });
   }
 
@@ -314,11 +326,13 @@
     const cursor = box.querySelector(".cursor");
     cursor.setAttribute("x1", xx);
     cursor.setAttribute("x2", xx);
+    cursor.setAttribute("visibility", "visible");
     const weights = point.weights[pool] || {};
     const rows = addresses.filter((a) => a in weights).map((a) => {
       const swatch = el("span", { class: "swatch" });
       swatch.style.background = colorOf(addresses, a);
-      return el("div", {}, swatch, ` ${a} `, el("b", {}, String(weights[a])));
+      return el("div", {}, swatch, ` ${a} `, el("b", {}, String(weights[a])),
+        isStale(point, pool, a) ? el("span", { class: "flag bad" }, "stale") : null);
     });
     const tip = box.querySelector(".tip");
     tip.replaceChildren(el("div", { class: "muted" }, `${fmtRelative(point.at - g.t1)} · ${fmtClock(point.at)}`), ...rows);
@@ -333,6 +347,17 @@
     return totals;
   }
 
+  function trafficShare(pool, ep, totals) {
+    // Expected share of the pool's traffic: weight within its cluster, times the cluster's
+    // share when a canary rollout splits the pool.
+    const total = totals[ep.cluster] || 0;
+    if (!total) return null;
+    const rollout = (state.rollouts || {})[pool];
+    let clusterShare = 1;
+    if (rollout) clusterShare = (ep.version === "canary" ? rollout.percent : 100 - rollout.percent) / 100;
+    return (100 * ep.weight * clusterShare) / total;
+  }
+
   function flagsOf(ep) {
     const flags = [];
     if (ep.stale) flags.push(["STALE", "bad"]);
@@ -343,7 +368,7 @@
     return flags;
   }
 
-  function renderLegend(tbody, addresses, endpoints) {
+  function renderLegend(tbody, pool, addresses, endpoints) {
     const totals = clusterTotals(endpoints);
     for (const row of tbody.querySelectorAll("tr")) {
       if (!addresses.includes(row.dataset.endpoint)) row.remove();
@@ -351,30 +376,31 @@
     for (const address of addresses) {
       const row = tbody.querySelector(`tr[data-endpoint="${CSS.escape(address)}"]`) || createLegendRow(tbody, address);
       tbody.append(row);
-      fillLegendRow(row, endpoints[address], totals, colorOf(addresses, address));
+      fillLegendRow(row, endpoints[address], trafficShare(pool, endpoints[address], totals),
+        colorOf(addresses, address));
     }
   }
 
   function createLegendRow(tbody, address) {
     const row = el("tr", { "data-endpoint": address },
       el("td", {}, el("span", { class: "swatch" })), el("td", { class: "mono" }, address),
-      el("td", { class: "num weight" }), el("td", { class: "num share", title: "expected share of the cluster's traffic" }),
+      el("td", { class: "num weight" }), el("td", { class: "num share", title: "expected share of the pool's traffic (weight, and the canary split)" }),
       el("td", { class: "signals" }), el("td", { class: "flags" }), el("td", { class: "num age" }),
       el("td", { class: "reason" }));
     tbody.append(row);
     return row;
   }
 
-  function fillLegendRow(row, ep, totals, color) {
+  function fillLegendRow(row, ep, share, color) {
     const flags = flagsOf(ep);
     row.className = ep.stale ? "row-stale" : ep.saturated || (ep.health && ep.health !== "HEALTHY") ? "row-degraded" : ep.drain ? "row-drain" : "";
     row.dataset.weight = String(ep.weight);
+    ep = {...ep, weight: (state.points.at(-2)?.weights || {})[row.closest("section").dataset.pool]?.[row.dataset.endpoint] ?? ep.weight};
     row.querySelector(".swatch").style.background = color;
     const weight = row.querySelector(".weight");
     weight.dataset.weight = String(ep.weight);
     setText(weight, String(ep.weight));
-    const total = totals[ep.cluster] || 0;
-    setText(row.querySelector(".share"), total ? `${Math.round((100 * ep.weight) / total)}%` : "–");
+    setText(row.querySelector(".share"), share === null ? "–" : `${share < 10 ? share.toFixed(1) : Math.round(share)}%`);
     replaceIfChanged(row.querySelector(".signals"), Object.entries(ep.signals || {}).sort()
       .map(([k, v]) => el("span", { class: "signal" }, `${k} `, el("b", {}, fmtNumber(v)))));
     replaceIfChanged(row.querySelector(".flags"), flags.map(([text, cls]) => el("span", { class: `flag ${cls}` }, text)));
@@ -425,20 +451,23 @@
     const signature = doc.recent.map((n) => `${n.at}|${n.node}|${n.nonce}`).join(",");
     if (tbody.dataset.signature === signature) return;  // keeps opened details open
     tbody.dataset.signature = signature;
-    tbody.replaceChildren(...doc.recent.slice(0, 50).map(nackRow));
+    tbody.replaceChildren(...doc.recent.slice(0, 50).flatMap(nackRows));
   }
 
-  function nackRow(n) {
+  function nackRows(n) {
+    // Two rows per NACK: who rejected what, then Envoy's message (folded; it can be long).
     const rejected = Object.entries(n.rejected || {}).map(([name, version]) => `${name}@${version.slice(0, 8)}`);
     const firstLine = (n.detail || "").split("\n")[0];
-    return el("tr", { class: "row-stale" },
-      el("td", { class: "num" }, fmtClock(n.at)),
-      el("td", { class: "mono", title: `${n.peer} (${n.api})` }, n.node),
-      el("td", {}, el("span", { class: "flag bad" }, n.type)),
-      el("td", { class: "mono" }, rejected.join(", ") || "–"),
-      el("td", { class: "detail" }, el("details", {},
-        el("summary", {}, firstLine.length > 90 ? `${firstLine.slice(0, 90)}…` : firstLine),
-        el("pre", {}, n.detail || ""))));
+    return [
+      el("tr", { class: "nack" },
+        el("td", { class: "num" }, fmtClock(n.at)),
+        el("td", { class: "mono", title: `${n.peer} (${n.api})` }, n.node || n.peer),
+        el("td", {}, el("span", { class: "flag bad" }, n.type)),
+        el("td", { class: "mono", title: "resource@version Envoy refused" }, rejected.join(", ") || "–")),
+      el("tr", { class: "nack-detail" }, el("td", { colspan: 4, class: "detail" }, el("details", {},
+        el("summary", {}, firstLine.length > 140 ? `${firstLine.slice(0, 140)}…` : firstLine),
+        el("pre", {}, n.detail || "")))),
+    ];
   }
 
   // ---- start -------------------------------------------------------------------------------------
