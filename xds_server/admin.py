@@ -19,8 +19,10 @@ from weight_calculator.types import EndpointWeight
 from . import type_urls
 from .config import EndpointConfig
 from .controller import Controller
+from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
+from .status_page import add_status_routes
 from .test_hooks import invalid_weight_mutator
 from .transport import XdsServicer
 
@@ -57,6 +59,7 @@ def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, clus
         "reason": ew.reason if ew else "no telemetry yet",
         "cluster": cluster,
         "version": version,
+        "health": ew.health if ew else "STALE",
     }
 
 
@@ -100,11 +103,13 @@ def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
 
 class AdminApi:
     def __init__(self, controller: Controller, is_ready: Callable[[], bool],
-                 servicer: XdsServicer | None = None, nacks: NackLog | None = None) -> None:
+                 servicer: XdsServicer | None = None, nacks: NackLog | None = None,
+                 history: WeightHistory | None = None) -> None:
         self.controller = controller
         self.is_ready = is_ready
         self.servicer = servicer
         self.nacks = nacks
+        self.history = history if history is not None else WeightHistory()
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors])
@@ -120,6 +125,7 @@ class AdminApi:
         if os.environ.get(TEST_HOOKS_ENV) == "1":
             log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
             app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
+        add_status_routes(app, self.history)
         return app
 
     async def healthz(self, request: web.Request) -> web.Response:

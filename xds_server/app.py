@@ -10,12 +10,13 @@ import grpc
 from aiohttp import web
 from grpc_health.v1.health import aio as health_aio
 
-from .admin import AdminApi, start_admin
+from .admin import AdminApi, start_admin, weights_document
 from .cache import SnapshotCache
 from .config import Config, ConfigError, load_config
 from .controller import Controller
 from .discovery import Discovery
 from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
+from .history import WeightHistory
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .nack_log import NackLog
 from .transport import XdsServicer, start_xds_server
@@ -40,6 +41,8 @@ class Trimtab:
         self.config_path = config_path
         self.cache = SnapshotCache()
         self.controller = Controller(config, self.cache, state_file=state_file_path(config, config_path))
+        self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
+        self.controller.on_tick.append(self._record_history)
         self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
         self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
@@ -66,7 +69,7 @@ class Trimtab:
             self._scaler, self.scaler_port = await start_scaler_server(scaler,
                                                                        self.config.keda.address)
         admin = self.config.admin.host_port
-        api = AdminApi(self.controller, self.ready, self.servicer, self.nacks)
+        api = AdminApi(self.controller, self.ready, self.servicer, self.nacks, self.history)
         self._admin = await start_admin(api, admin.host, admin.port)
         self.discovery.start(self.config)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
@@ -106,6 +109,9 @@ class Trimtab:
         self.discovery.start(self.config)
         log.info("reloaded config from %s", self.config_path)
         return True
+
+    def _record_history(self) -> None:
+        self.history.record(self.controller.clock(), weights_document(self.controller))
 
     def _apply_discovered(self, config: Config) -> None:
         self.controller.apply_config(config)

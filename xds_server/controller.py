@@ -60,6 +60,7 @@ class Controller:
         self.stats = TickStats()
         self.mutators: list[Mutator] = []  # test-only hooks (see admin's /v1/test routes)
         self.canary_percent: dict[str, float] = {}
+        self.on_tick: list[Callable[[], None]] = []
         self._own_scraper = scraper is None
         self.scraper = scraper or self._new_scraper(config)
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
@@ -124,6 +125,8 @@ class Controller:
         self.publish()
         self.stats.ticks += 1
         self.stats.last_tick_at = self.clock()
+        for hook in self.on_tick:
+            hook()
         metrics.TICK_SECONDS.observe(time.perf_counter() - started)
 
     def ingest(self, results: dict[str, ScrapeResult]) -> None:

@@ -94,6 +94,17 @@ def _answer(body: bytes | str) -> Mapping[str, Any]:
     return data
 
 
+def _metric(series: Any) -> Any:
+    return series.get("metric", {}) if isinstance(series, dict) else {}
+
+
+def _slow_series(series: Any, label: str) -> tuple[Any, float]:
+    """``(label value or None, value)`` of a series not of the plain shape; raises
+    :class:`PromQLError` if it has no usable sample."""
+    key = _metric(series).get(label)
+    return key, _series_value(series)
+
+
 def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[str]]:
     """Parse an ``/api/v1/query`` answer into ``label value -> float``, plus problems.
 
@@ -103,13 +114,16 @@ def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[
     """
     values: dict[str, float] = {}
     problems: list[str] = []
+    isfinite = math.isfinite
     for series in _answer(body)["result"]:
-        metric = series.get("metric", {}) if isinstance(series, dict) else {}
-        key = metric.get(label)
-        value = _series_value(series)
+        try:  # the plain shape: {"metric": {label: key, ...}, "value": [time, "number"]}
+            key = series["metric"][label]
+            value = float(series["value"][1])
+        except (KeyError, IndexError, TypeError, ValueError):
+            key, value = _slow_series(series, label)
         if key is None:
-            problems.append(f"series {metric} has no {label!r} label")
-        elif not math.isfinite(value):
+            problems.append(f"series {_metric(series)} has no {label!r} label")
+        elif not isfinite(value):
             problems.append(f"{label}={key!r} is {value!r}")
         elif key in values:
             problems.append(f"{label}={key!r} appears twice; kept the larger value")
@@ -136,10 +150,15 @@ def merge_answers(
             continue
         per_label, found = answer
         problems += [f"{signal}: {p}" for p in found]
-        for key, value in per_label.items():
-            address = key if address_of is None else address_of.get(key)
-            if address is not None:
-                values.setdefault(address, {})[signal] = value
+        if address_of is not None:
+            mapped = ((address_of.get(k), v) for k, v in per_label.items())
+            per_label = {a: v for a, v in mapped if a is not None}
+        for address, value in per_label.items():
+            row = values.get(address)
+            if row is None:
+                values[address] = {signal: value}
+            else:
+                row[signal] = value
     return PromQLResult(values=values, errors=errors, problems=tuple(problems))
 
 

@@ -169,7 +169,8 @@
       if (!order.includes(section.dataset.pool)) section.remove();
     }
     for (const name of order) {
-      const section = container.querySelector(`section.pool[data-pool="${CSS.escape(name)}"]`) || createPoolSection(container, name);
+      const section = container.querySelector(`section.pool[data-pool="${CSS.escape(name)}"]`)
+        || createPoolSection(container, name);
       container.append(section);  // keeps the configured order
       renderPool(section, name, state.weights.pools[name]);
     }
@@ -265,7 +266,8 @@
     for (let back = 0; back <= g.span + 1e-9; back += step) {
       const xx = g.x(g.t1 - back);
       root.append(svg("line", { class: "grid-line vertical", x1: xx, x2: xx, y1: PAD.t, y2: CHART_H - PAD.b }));
-      root.append(svg("text", { class: "axis", x: xx, y: CHART_H - 5, "text-anchor": back ? "middle" : "end" }, fmtRelative(-back)));
+      const anchor = back ? "middle" : "end";
+      root.append(svg("text", { class: "axis", x: xx, y: CHART_H - 5, "text-anchor": anchor }, fmtRelative(-back)));
     }
   }
 
@@ -384,7 +386,8 @@
   function createLegendRow(tbody, address) {
     const row = el("tr", { "data-endpoint": address },
       el("td", {}, el("span", { class: "swatch" })), el("td", { class: "mono" }, address),
-      el("td", { class: "num weight" }), el("td", { class: "num share", title: "expected share of the pool's traffic (weight, and the canary split)" }),
+      el("td", { class: "num weight" }),
+      el("td", { class: "num share", title: "expected share of the pool's traffic (weight, and the canary split)" }),
       el("td", { class: "signals" }), el("td", { class: "flags" }), el("td", { class: "num age" }),
       el("td", { class: "reason" }));
     tbody.append(row);
@@ -393,9 +396,9 @@
 
   function fillLegendRow(row, ep, share, color) {
     const flags = flagsOf(ep);
-    row.className = ep.stale ? "row-stale" : ep.saturated || (ep.health && ep.health !== "HEALTHY") ? "row-degraded" : ep.drain ? "row-drain" : "";
+    const degraded = ep.saturated || (ep.health && ep.health !== "HEALTHY");
+    row.className = ep.stale ? "row-stale" : degraded ? "row-degraded" : ep.drain ? "row-drain" : "";
     row.dataset.weight = String(ep.weight);
-    ep = {...ep, weight: (state.points.at(-2)?.weights || {})[row.closest("section").dataset.pool]?.[row.dataset.endpoint] ?? ep.weight};
     row.querySelector(".swatch").style.background = color;
     const weight = row.querySelector(".weight");
     weight.dataset.weight = String(ep.weight);
