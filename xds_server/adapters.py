@@ -164,7 +164,11 @@ class _Reader:
             if bad:
                 self.reject(signal, _label(name, where), f"is {bad[0]!r}, outside {bounds}")
                 return None
-            return combine(values)
+            combined = combine(values)
+            if not _valid(combined, *bounds):
+                self.reject(signal, _label(name, where), f"combines to {combined!r}")
+                return None
+            return combined
         return None
 
     def histogram(self, key: str, bases: Sequence[str]) -> HistogramState | None:
@@ -177,7 +181,11 @@ class _Reader:
             if bad:
                 self.reject(key, base, f"has sum/count {bad[0]!r}")
                 return None
-            return HistogramState(sum=math.fsum(sums), count=math.fsum(counts))
+            total, count = _fsum(sums), _fsum(counts)
+            if not (math.isfinite(total) and math.isfinite(count)):
+                self.reject(key, base, "sum/count overflow")
+                return None
+            return HistogramState(sum=total, count=count)
         return None
 
 
@@ -193,7 +201,11 @@ def _names(stems: Sequence[str], prefixes: Sequence[str]) -> list[str]:
 
 
 def _fsum(values: Iterable[float]) -> float:
-    return math.fsum(values)
+    """Exact sum; an overflow is infinite, which validation then rejects (found by fuzzing)."""
+    try:
+        return math.fsum(values)
+    except OverflowError:
+        return math.inf
 
 
 # --- per-server extractors --------------------------------------------------------------------
