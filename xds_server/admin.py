@@ -22,6 +22,7 @@ from .controller import Controller
 from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
+from .security import bearer_middleware
 from .status_page import add_status_routes
 from .test_hooks import invalid_weight_mutator
 from .transport import XdsServicer
@@ -104,15 +105,19 @@ def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
 class AdminApi:
     def __init__(self, controller: Controller, is_ready: Callable[[], bool],
                  servicer: XdsServicer | None = None, nacks: NackLog | None = None,
-                 history: WeightHistory | None = None) -> None:
+                 history: WeightHistory | None = None, token: str | None = None,
+                 protect_reads: bool = False) -> None:
         self.controller = controller
+        self.token = token
+        self.protect_reads = protect_reads
         self.is_ready = is_ready
         self.servicer = servicer
         self.nacks = nacks
         self.history = history if history is not None else WeightHistory()
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[_errors])
+        app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
+                                           _errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)

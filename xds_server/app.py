@@ -19,6 +19,15 @@ from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_servi
 from .history import WeightHistory
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .nack_log import NackLog
+from .security import (
+    NodeAuthorizer,
+    RateLimiter,
+    SnapshotViews,
+    XdsGuard,
+    load_token,
+    server_credentials,
+    server_options,
+)
 from .transport import XdsServicer, start_xds_server
 
 log = logging.getLogger("trimtab")
@@ -45,7 +54,13 @@ class Trimtab:
         self.controller.on_tick.append(self._record_history)
         self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe)
+        limits = config.xds.limits
+        self.guard = XdsGuard(
+            NodeAuthorizer.from_config(config.nodes),
+            RateLimiter(limits.requests_per_second, limits.request_burst)
+            if limits.requests_per_second is not None else None,
+            SnapshotViews(lambda: (self.controller.config, self.controller.canary_percent)))
+        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard)
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
         self.scaler_port: int | None = None
@@ -60,8 +75,18 @@ class Trimtab:
         def extras(server: grpc.aio.Server) -> None:
             self._health = add_health_and_reflection(server, list(XDS_SERVICE_NAMES))
 
-        self._grpc, self.xds_port = await start_xds_server(self.servicer, self.config.xds.address,
-                                                           configure=extras)
+        xds = self.config.xds
+        credentials = (server_credentials(xds.tls.cert_file, xds.tls.key_file,
+                                          xds.tls.client_ca_file, xds.tls.require_client_cert,
+                                          reload=xds.tls.reload)
+                       if xds.tls is not None else None)
+        options = server_options(xds.limits.max_streams_per_connection,
+                                 xds.limits.max_request_bytes,
+                                 xds.limits.max_connection_age_seconds,
+                                 xds.limits.max_connection_age_grace_seconds)
+        self._grpc, self.xds_port = await start_xds_server(
+            self.servicer, xds.address, configure=extras, credentials=credentials,
+            options=options, maximum_concurrent_rpcs=xds.limits.max_streams)
         assert self._health is not None
         await set_serving(self._health, list(XDS_SERVICE_NAMES), False)
         if self.config.keda.address is not None:
@@ -69,7 +94,10 @@ class Trimtab:
             self._scaler, self.scaler_port = await start_scaler_server(scaler,
                                                                        self.config.keda.address)
         admin = self.config.admin.host_port
-        api = AdminApi(self.controller, self.ready, self.servicer, self.nacks, self.history)
+        auth = self.config.admin.auth
+        api = AdminApi(self.controller, self.ready, self.servicer, self.nacks, self.history,
+                       token=load_token(auth.token_file, auth.token_env),
+                       protect_reads=auth.protect_reads)
         self._admin = await start_admin(api, admin.host, admin.port)
         self.discovery.start(self.config)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
@@ -104,6 +132,7 @@ class Trimtab:
                 log.warning("reload: %s.address changes need a restart; keeping %s", key,
                             getattr(self.config, key).address)
         self.config = config.model_copy(update={"xds": self.config.xds, "admin": self.config.admin})
+        self.guard.update(NodeAuthorizer.from_config(self.config.nodes))
         await self.discovery.close()
         await self.controller.reload(self.discovery.effective(self.config))
         self.discovery.start(self.config)

@@ -80,12 +80,59 @@ class _Addressed(_Model):
         return parse_host_port(self.address)
 
 
+class TlsConfig(_Model):
+    """TLS on the xDS port; with require_client_cert + client_ca_file, mutual TLS."""
+
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+    client_ca_file: str | None = None
+    require_client_cert: bool = False
+    reload: bool = True  # re-read rotated files at the next handshake (cert-manager, secrets)
+
+    @model_validator(mode="after")
+    def _mtls_pair(self) -> TlsConfig:
+        if self.require_client_cert != (self.client_ca_file is not None):
+            raise ValueError("require_client_cert and client_ca_file go together (mTLS); "
+                             "grpcio cannot request an optional client certificate")
+        return self
+
+
+class XdsLimitsConfig(_Model):
+    requests_per_second: float | None = Field(20.0, gt=0)  # per client IP+identity; null: off
+    request_burst: int = Field(100, ge=1)
+    max_streams: int | None = Field(None, ge=1)  # server-wide concurrent xDS streams
+    max_streams_per_connection: int = Field(16, ge=1)
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
+    max_connection_age_seconds: float | None = Field(None, gt=0)  # GOAWAY after this (±10 %)
+    max_connection_age_grace_seconds: float = Field(30.0, ge=0)  # then the stream is cut
+
+
 class XdsConfig(_Addressed):
     address: str = "127.0.0.1:18000"
+    tls: TlsConfig | None = None
+    limits: XdsLimitsConfig = XdsLimitsConfig()
+
+
+class AdminAuthConfig(_Model):
+    """A bearer token for the admin API, from a file or an environment variable (never
+    inline: /v1/config shows the effective config)."""
+
+    token_file: str | None = None
+    token_env: str | None = None
+    protect_reads: bool = False  # also require it for GETs (/healthz, /readyz stay open)
+
+    @model_validator(mode="after")
+    def _one_source(self) -> AdminAuthConfig:
+        if self.token_file is not None and self.token_env is not None:
+            raise ValueError("give token_file or token_env, not both")
+        if self.protect_reads and self.token_file is None and self.token_env is None:
+            raise ValueError("protect_reads needs token_file or token_env")
+        return self
 
 
 class AdminConfig(_Addressed):
     address: str = "127.0.0.1:19100"
+    auth: AdminAuthConfig = AdminAuthConfig()
 
 
 class ListenerConfig(_Addressed):
@@ -407,6 +454,21 @@ class RolloutsConfig(_Model):
     state_file: str = "trimtab-rollouts.json"
 
 
+class NodesConfig(_Model):
+    """Node cluster -> pools it may see ("*" key: any other cluster; "*" pool: every pool)."""
+
+    clusters: dict[str, list[str]] = Field(default_factory=lambda: {"*": ["*"]})
+    require_san_match: bool = False  # mTLS: a client certificate SAN must name the node
+    require_cluster_binding: bool = False  # ... and must name its cluster, not only its id
+    trust_domain: str | None = None  # only spiffe://<trust_domain>/... URI SANs count
+
+    @model_validator(mode="after")
+    def _san_options(self) -> NodesConfig:
+        if (self.require_cluster_binding or self.trust_domain) and not self.require_san_match:
+            raise ValueError("require_cluster_binding and trust_domain need require_san_match")
+        return self
+
+
 class Config(_Model):
     xds: XdsConfig = XdsConfig()
     admin: AdminConfig = AdminConfig()
@@ -415,6 +477,7 @@ class Config(_Model):
     weights: WeightsConfig = WeightsConfig()
     rollouts: RolloutsConfig = RolloutsConfig()
     keda: KedaConfig = KedaConfig()
+    nodes: NodesConfig | None = None  # absent: every node sees every pool
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:
@@ -557,6 +620,19 @@ def _cross_checks(config: Config) -> list[tuple[str, str]]:
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
+    return problems + _security_checks(config)
+
+
+def _security_checks(config: Config) -> list[tuple[str, str]]:
+    from .security import node_pool_problems  # security imports this module
+
+    if config.nodes is None:
+        return []
+    problems = node_pool_problems(config.nodes.clusters, config)
+    tls = config.xds.tls
+    if config.nodes.require_san_match and (tls is None or not tls.require_client_cert):
+        problems.append(("nodes.require_san_match",
+                         "needs mTLS: xds.tls with client_ca_file and require_client_cert: true"))
     return problems
 
 

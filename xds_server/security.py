@@ -97,25 +97,78 @@ def _check_pair(cert_file: str, key_file: str, client_ca_file: str | None) -> No
                                  f"{exc.reason or exc}") from None
 
 
+def _load_tls(cert_file: str, key_file: str, client_ca_file: str | None
+              ) -> tuple[bytes, bytes, bytes | None]:
+    """(key, certificate chain, client CA) PEM bytes, checked. Raises TlsConfigError."""
+    cert = _read_pem(cert_file, "certificate", b"CERTIFICATE")
+    key = _read_pem(key_file, "private key", b"PRIVATE KEY")
+    ca = _read_pem(client_ca_file, "client CA", b"CERTIFICATE") if client_ca_file else None
+    _check_pair(cert_file, key_file, client_ca_file)
+    return key, cert, ca
+
+
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str | None = None,
-                       require_client_cert: bool = False) -> grpc.ServerCredentials:
+                       require_client_cert: bool = False, *,
+                       reload: bool = False) -> grpc.ServerCredentials:
     """TLS, or with `require_client_cert` mTLS, credentials for the xDS gRPC port.
 
     mTLS refuses, in the handshake, a client without a certificate signed by
     `client_ca_file`. grpcio cannot ask for an *optional* client certificate: without
     `require_client_cert` none is requested (so no peer identities), hence `client_ca_file`
     alone is refused as a likely mistake. Raises TlsConfigError naming the file and the
-    problem."""
-    cert = _read_pem(cert_file, "certificate", b"CERTIFICATE")
-    key = _read_pem(key_file, "private key", b"PRIVATE KEY")
+    problem.
+
+    With `reload`, the files are re-read when they change (checked at each new TLS
+    handshake), so a rotated certificate or CA applies to new connections without a restart;
+    a broken rotation is logged and the previous files stay in use."""
     if require_client_cert != (client_ca_file is not None):
         raise TlsConfigError("require_client_cert and client_ca_file (the CA that signs the "
                              "Envoys' certificates) go together: grpcio cannot request an "
                              "optional client certificate")
-    ca = _read_pem(client_ca_file, "client CA", b"CERTIFICATE") if client_ca_file else None
-    _check_pair(cert_file, key_file, client_ca_file)
-    return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
-                                       require_client_auth=require_client_cert)
+    key, cert, ca = _load_tls(cert_file, key_file, client_ca_file)
+    if not reload:
+        return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca,
+                                           require_client_auth=require_client_cert)
+    watcher = CertificateWatcher(cert_file, key_file, client_ca_file)
+    initial = grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
+    return grpc.dynamic_ssl_server_credentials(initial, watcher,
+                                               require_client_authentication=require_client_cert)
+
+
+def _file_state(path: str) -> tuple[int, int, int]:
+    info = Path(path).stat()  # follows symlinks: a Kubernetes secret swap changes the inode
+    return info.st_ino, info.st_mtime_ns, info.st_size
+
+
+class CertificateWatcher:
+    """grpc's certificate-configuration fetcher: called (on a gRPC thread) at each new
+    handshake; returns a new configuration once the files changed and load cleanly."""
+
+    def __init__(self, cert_file: str, key_file: str, client_ca_file: str | None) -> None:
+        self.files = (cert_file, key_file, client_ca_file)
+        self.loaded = self._state()
+        self.failed: tuple | None = None
+        self.reloads = 0
+
+    def _state(self) -> tuple:
+        return tuple(_file_state(f) for f in self.files if f is not None)
+
+    def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        state: tuple | None = None  # None: a file is missing (mid-rotation)
+        try:
+            state = self._state()
+            if state == self.loaded:
+                return None
+            key, cert, ca = _load_tls(*self.files)
+        except (OSError, TlsConfigError) as exc:
+            if state != self.failed:  # log a broken rotation once, keep serving the old files
+                log.error("TLS files changed but cannot be used, keeping the previous ones: %s",
+                          exc)
+                self.failed = state
+            return None
+        self.loaded, self.failed, self.reloads = state, None, self.reloads + 1
+        log.info("reloaded TLS certificate %s", self.files[0])
+        return grpc.ssl_server_certificate_configuration([(key, cert)], root_certificates=ca)
 
 
 # -- peer identity ---------------------------------------------------------------------------
@@ -126,10 +179,11 @@ def _decoded(values: Iterable[bytes]) -> list[str]:
 
 
 def peer_identities(context: grpc.aio.ServicerContext) -> list[str]:
-    """The verified client certificate's identities: URI SANs, then DNS SANs (grpcio >= 1.6x
-    reports them as ``peer_uri``/``peer_dns``); an older grpcio's mixed
-    ``x509_subject_alternative_name`` list otherwise; the subject CN only for a certificate
-    without SANs. Empty without TLS or without a client certificate."""
+    """The verified client certificate's identities: URI SANs, then DNS SANs (grpcio 1.85's
+    ``peer_uri``/``peer_dns`` auth-context keys); else the mixed
+    ``x509_subject_alternative_name`` list (IP SANs too); the subject CN (``x509_common_name``)
+    only for a certificate without SANs. Empty without TLS or without a client certificate
+    (grpcio requests one only with require_client_cert)."""
     auth = context.auth_context() or {}
     identities = _decoded(auth.get("peer_uri", ())) + _decoded(auth.get("peer_dns", ()))
     if not identities:
@@ -436,9 +490,8 @@ class RateLimiter:
 
     def _forget_idle(self, now: float) -> None:
         """Drop peers whose bucket has refilled: forgetting them changes nothing."""
-        full_after = self.burst / self.rate_per_s
-        self._buckets = {peer: state for peer, state in self._buckets.items()
-                         if now - state[1] < full_after}
+        self._buckets = {peer: (tokens, last) for peer, (tokens, last) in self._buckets.items()
+                         if tokens + max(0.0, now - last) * self.rate_per_s < self.burst}
 
     def __len__(self) -> int:
         return len(self._buckets)
@@ -515,8 +568,10 @@ class StreamAccess:
 
     @property
     def rate_key(self) -> str:
-        """Rate limits apply per certificate identity, else per client IP."""
-        return self.identities[0] if self.identities else peer_host(self.peer)
+        """Rate limits apply per connection (peer address and port) and certificate identity:
+        many Envoys behind one address (a node, a NAT, loopback in tests) each get a bucket,
+        and a misbehaving stream is cut without touching its neighbours."""
+        return f"{self.identities[0]}@{self.peer}" if self.identities else self.peer
 
 
 class XdsGuard:

@@ -21,6 +21,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 from . import metrics, type_urls, wire
 from .cache import SnapshotCache
 from .protocol import Ack, DeltaStream, Event, Nack, ProtocolError, Response, SotwStream, StaleNonce
+from .security import Denied, StreamAccess, XdsGuard
 
 log = logging.getLogger("trimtab.xds")
 
@@ -61,6 +62,7 @@ class StreamInfo:
     api: str
     service: str
     machine: SotwStream | DeltaStream
+    access: StreamAccess | None = None  # set when the servicer has a guard
 
     @property
     def node_id(self) -> str:
@@ -71,8 +73,10 @@ class XdsServicer:
     """Serves ADS and the per-type services, SotW and Delta, from one SnapshotCache."""
 
     def __init__(self, cache: SnapshotCache,
-                 on_event: Callable[[StreamInfo, Event], None] | None = None) -> None:
+                 on_event: Callable[[StreamInfo, Event], None] | None = None,
+                 guard: XdsGuard | None = None) -> None:
         self.cache = cache
+        self.guard = guard
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
 
@@ -96,7 +100,8 @@ class XdsServicer:
         async def handle(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
             machine: SotwStream | DeltaStream = (
                 SotwStream(type_url) if api == "sotw" else DeltaStream(type_url))
-            info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine)
+            info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine,
+                              self.guard.open(context) if self.guard is not None else None)
             await self._serve(info, requests, context)
         return handle
 
@@ -114,6 +119,8 @@ class XdsServicer:
             log.warning("protocol error from %s (node %r): %s", info.peer, info.node_id, exc)
             metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Denied as exc:  # the guard has logged and counted it
+            await context.abort(exc.code, exc.reason)
         finally:
             unwatch()
             reader.cancel()
@@ -143,13 +150,20 @@ class XdsServicer:
                 if request is None:
                     return
                 self._receive(info, request)
-            for response in machine.responses(self.cache.snapshot):
+            snapshot = self.cache.snapshot
+            if self.guard is not None and info.access is not None:
+                snapshot = self.guard.view(info.access, snapshot)
+            for response in machine.responses(snapshot):
                 await self._send(info, response, context)
 
     def _receive(self, info: StreamInfo, request: object) -> None:
         machine = info.machine
+        if self.guard is not None and info.access is not None:
+            self.guard.on_request(info.access)
         had_node = machine.node is not None
         events = machine.receive(request)  # type: ignore[arg-type]
+        if self.guard is not None and info.access is not None:
+            self.guard.admit(info.access, machine.node)
         if not had_node and machine.node is not None:
             machine.rejections = self.cache.rejections_for(machine.node.id)
         for event in events:
@@ -186,10 +200,11 @@ async def start_xds_server(servicer: XdsServicer, address: str,
                            configure: Callable[[grpc.aio.Server], object] | None = None,
                            credentials: grpc.ServerCredentials | None = None,
                            options: list[tuple[str, Any]] | None = None,
+                           maximum_concurrent_rpcs: int | None = None,
                            ) -> tuple[grpc.aio.Server, int]:
     """Start serving on `address` (port 0 picks a free port). Returns the server and its port.
     `configure` adds services (health, reflection) before the server starts."""
-    server = grpc.aio.server(options=[*(options or []),
+    server = grpc.aio.server(maximum_concurrent_rpcs=maximum_concurrent_rpcs, options=[*(options or []),
         ("grpc.so_reuseport", 0),  # a second trimtab must fail to bind, not share the port
         ("grpc.max_send_message_length", 64 * 1024 * 1024),
         ("grpc.max_receive_message_length", 16 * 1024 * 1024),
