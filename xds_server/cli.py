@@ -47,6 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["debug", "info", "warning", "error"])
     parser.add_argument("--log-format", default="text", choices=["text", "json"])
     sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, summary) in _DELEGATED.items():
+        sub.add_parser(name, help=f"{summary} (see `trimtab {name} --help`)", add_help=False)
     serve = sub.add_parser("serve", help="run the control plane in the foreground")
     serve.add_argument("--config", required=True, help="path to the YAML config")
     validate = sub.add_parser("validate", help="check a config; exit 2 naming what is wrong")
@@ -178,7 +180,20 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         return 1
 
 
+_DELEGATED = {
+    "sim": ("xds_server.sim.cli", "run the LLM fleet simulator (vLLM-compatible servers)"),
+    "load": ("xds_server.loadgen.cli", "drive an open-loop LLM workload at a URL"),
+    "bench": ("xds_server.bench.cli", "compare balancing policies through a real Envoy"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _DELEGATED:
+        import importlib
+
+        module = importlib.import_module(_DELEGATED[argv[0]][0])
+        return int(module.main(argv[1:]))
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import json
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -113,6 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (WorkloadError, ValueError) as exc:
         print(f"trimtab load: invalid input: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    gc.freeze()  # keep import-time objects out of collections during the run
     try:
         report, records = asyncio.run(_main(args, w))
     except KeyboardInterrupt:

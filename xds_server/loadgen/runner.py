@@ -69,6 +69,32 @@ class RunResult:
     extra: dict = field(default_factory=dict)
 
 
+class LagProbe:
+    """The client's own event-loop lag and CPU: a busy client inflates every latency it
+    measures, so the report carries these next to the results."""
+
+    def __init__(self, interval: float = 0.05) -> None:
+        self.interval = interval
+        self.lags: list[float] = []
+        self._cpu0 = time.process_time()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            t0 = loop.time()
+            await asyncio.sleep(self.interval)
+            self.lags.append(max(0.0, loop.time() - t0 - self.interval))
+
+    def summary(self) -> dict[str, float]:
+        lags = sorted(self.lags) or [0.0]
+
+        def ms(q: float) -> float:
+            return 1e3 * lags[min(len(lags) - 1, int(q * len(lags)))]
+
+        return {"loop_lag_p50_ms": ms(0.5), "loop_lag_p99_ms": ms(0.99), "loop_lag_max_ms": ms(1),
+                "cpu_seconds": time.process_time() - self._cpu0}
+
+
 class SseParser:
     """Incremental Server-Sent Events parser (the WHATWG rules we need).
 
@@ -79,27 +105,37 @@ class SseParser:
 
     def __init__(self) -> None:
         self._buf = b""
-        self._data: list[bytes] = []
 
     def feed(self, chunk: bytes) -> list[bytes]:
-        self._buf += chunk
-        events: list[bytes] = []
-        while True:
-            nl = self._buf.find(b"\n")
-            if nl < 0:
-                return events
-            line, self._buf = self._buf[:nl].rstrip(b"\r"), self._buf[nl + 1:]
-            if not line:
-                if self._data:
-                    events.append(b"\n".join(self._data))
-                    self._data = []
-            elif line.startswith(b"data:"):
-                value = line[5:]
-                self._data.append(value[1:] if value.startswith(b" ") else value)
+        buf = self._buf + chunk
+        if b"\r" in buf:
+            held = buf.endswith(b"\r")  # maybe the first half of a CRLF
+            body = buf[:-1] if held else buf
+            buf = body.replace(b"\r\n", b"\n").replace(b"\r", b"\n") + (b"\r" if held else b"")
+        blocks = buf.split(b"\n\n")
+        self._buf = blocks.pop()
+        events = []
+        for block in blocks:
+            data = [line[6:] if line.startswith(b"data: ") else line[5:]
+                    for line in block.split(b"\n") if line.startswith(b"data:")]
+            if data:
+                events.append(data[0] if len(data) == 1 else b"\n".join(data))
+        return events
+
+
+_TEXT_KEYS = (b'"text":"', b'"content":"')
 
 
 def _event_text_and_usage(payload: bytes) -> tuple[bool, int | None]:
-    """Whether an OpenAI chunk carries output text, and its usage.completion_tokens."""
+    """Whether an OpenAI chunk carries output text, and its usage.completion_tokens.
+
+    Compact JSON without usage (vLLM's token chunks) is read without a full parse.
+    """
+    if b'"usage"' not in payload:
+        for key in _TEXT_KEYS:
+            at = payload.find(key)
+            if at >= 0:
+                return payload[at + len(key):at + len(key) + 1] != b'"', None
     obj = json.loads(payload)
     usage = obj.get("usage")
     tokens = usage.get("completion_tokens") if isinstance(usage, dict) else None
@@ -201,10 +237,61 @@ async def run_load(targets: Sequence[str], w: Workload, *, rate: float | None = 
     rate, duration = rate or w.rate, duration or w.duration_s
     schedule = build_schedule(w, rate=rate, duration=duration, seed=seed)
     urls = [t.rstrip("/") + endpoint_path(w) for t in targets]
-    async with make_session(w, max_connections) as session:
-        records, wall = await _drive(session, schedule, urls, w, on_progress)
+    probe = LagProbe()
+    probe_task = asyncio.create_task(probe.run())
+    try:
+        async with make_session(w, max_connections) as session:
+            records, wall = await _drive(session, schedule, urls, w, on_progress)
+    finally:
+        probe_task.cancel()
+        await asyncio.gather(probe_task, return_exceptions=True)
     return RunResult(records=records, offered_rate=rate, duration_s=duration, wall_s=wall,
-                     targets=list(targets), started_unix=time.time() - wall)
+                     targets=list(targets), started_unix=time.time() - wall,
+                     extra={"client": probe.summary()})
+
+
+class _Dispatcher:
+    """Sends a schedule open-loop and collects the records as requests finish."""
+
+    def __init__(self, session: aiohttp.ClientSession, w: Workload, total: int,
+                 on_progress: Callable[[Progress], None] | None) -> None:
+        self.session, self.w, self.on_progress = session, w, on_progress
+        self.progress = Progress(total=total)
+        self.pending: set[asyncio.Task[RequestRecord]] = set()
+        self.records: list[RequestRecord] = []
+
+    def _notify(self) -> None:
+        if self.on_progress is not None:
+            self.on_progress(self.progress)
+
+    def _finished(self, task: asyncio.Task[RequestRecord]) -> None:
+        self.pending.discard(task)
+        if task.cancelled():
+            return
+        rec = task.result()
+        self.records.append(rec)
+        self.progress.done += 1
+        self.progress.errors += rec.error is not None
+        self._notify()
+
+    def send(self, p: PlannedRequest, url: str, clock: Callable[[], float]) -> None:
+        rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at)
+        body = request_body(p, self.w)
+        task = asyncio.create_task(send_one(self.session, url, body, self.w.stream, rec, clock))
+        self.pending.add(task)
+        task.add_done_callback(self._finished)
+        self.progress.sent += 1
+        self._notify()
+
+    async def drain(self) -> None:
+        if self.pending:
+            await asyncio.wait(set(self.pending))
+
+    async def cancel(self) -> None:
+        for task in list(self.pending):
+            task.cancel()
+        if self.pending:
+            await asyncio.gather(*self.pending, return_exceptions=True)
 
 
 async def _drive(session: aiohttp.ClientSession, schedule: list[PlannedRequest],
@@ -212,44 +299,18 @@ async def _drive(session: aiohttp.ClientSession, schedule: list[PlannedRequest],
                  on_progress: Callable[[Progress], None] | None
                  ) -> tuple[list[RequestRecord], float]:
     loop = asyncio.get_running_loop()
-    progress = Progress(total=len(schedule))
-    pending: set[asyncio.Task[RequestRecord]] = set()
-    records: list[RequestRecord] = []
-
-    def finished(task: asyncio.Task[RequestRecord]) -> None:
-        pending.discard(task)
-        if task.cancelled():
-            return
-        rec = task.result()
-        records.append(rec)
-        progress.done += 1
-        progress.errors += rec.error is not None
-        if on_progress is not None:
-            on_progress(progress)
-
+    dispatcher = _Dispatcher(session, w, len(schedule), on_progress)
     start = loop.time()
     try:
         for p, url in zip(schedule, itertools.cycle(urls), strict=False):
             delay = start + p.at - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens,
-                                scheduled_at=p.at)
-            task = asyncio.create_task(send_one(session, url, request_body(p, w), w.stream,
-                                                rec, loop.time))
-            pending.add(task)
-            task.add_done_callback(finished)
-            progress.sent += 1
-            if on_progress is not None:
-                on_progress(progress)
-        if pending:
-            await asyncio.wait(set(pending))
+            dispatcher.send(p, url, loop.time)
+        await dispatcher.drain()
     finally:
-        for task in list(pending):
-            task.cancel()
-        if pending:
-            await asyncio.gather(*pending, return_exceptions=True)
-    records.sort(key=lambda r: r.index)
+        await dispatcher.cancel()
+    records = sorted(dispatcher.records, key=lambda r: r.index)
     for rec in records:
         rec.sent_at -= start
     return records, loop.time() - start

@@ -16,7 +16,7 @@ import time
 from collections import deque
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -71,6 +71,8 @@ class FleetSpec(_Strict):
     model_profile: str = "llama-3.1-8b"
     host: str = "127.0.0.1"
     orca: bool = Field(True, description="send endpoint-load-metrics headers")
+    orca_utilization: Literal["occupancy", "kv_cache", "gpu_busy", "none"] = Field(
+        "occupancy", description="what the ORCA application_utilization field reports")
     max_model_len: int | None = Field(None, ge=1)
     efficiency: EfficiencySpec = EfficiencySpec()
     servers: list[ServerSpec] = Field(min_length=1)
@@ -121,7 +123,8 @@ def expand(spec: FleetSpec) -> list[ServerConfig]:
             configs.append(ServerConfig(
                 name=name, gpu=gpu, model=model, served_model_name=spec.model,
                 host=spec.host, port=s.port, faults=faults, efficiency=eff,
-                max_model_len=s.max_model_len or spec.max_model_len, orca=spec.orca))
+                max_model_len=s.max_model_len or spec.max_model_len, orca=spec.orca,
+                orca_utilization=spec.orca_utilization))
     return configs
 
 
@@ -235,5 +238,5 @@ class SimFleet:
         """What ``/sim/stats`` serves: loop lag, CPU, in-flight requests per server."""
         servers = [s.snapshot() for s in self.servers.values()]
         return {"pid": os.getpid(), **self.monitor.snapshot(),
-                "in_flight": sum(int(s["in_flight"]) for s in servers),  # type: ignore[call-overload]
+                "in_flight": sum(int(s["in_flight"]) for s in servers),
                 "servers": servers}

@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
@@ -47,6 +48,7 @@ log = logging.getLogger(__name__)
 ORCA_HEADER = "endpoint-load-metrics"
 SERVER_HEADER = "x-sim-server"
 MAX_STEP_DEBT_S = 0.002  # how far a late step may start in the past to keep the pace
+SHUTDOWN_TIMEOUT_S = 0.5  # a stopped server does not wait for its handlers
 TOKEN_TEXT = " token"
 CHAT_DEFAULT_MAX_TOKENS = 256
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -74,6 +76,7 @@ class ServerConfig:
     efficiency: Efficiency = Efficiency()
     max_model_len: int | None = None
     orca: bool = True
+    orca_utilization: str = "occupancy"  # see ORCA_UTILIZATION
 
 
 class _Client:
@@ -139,7 +142,8 @@ class SimServer:
         loop = asyncio.get_running_loop()
         self.engine = self._new_engine()
         self._warm_at = loop.time() + cold_start_s
-        runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None)
+        runner = web.AppRunner(self._build_app(), handler_cancellation=True, access_log=None,
+                               shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await runner.setup()
         site = web.TCPSite(runner, self.config.host, self.port, reuse_address=True)
         await site.start()
@@ -246,6 +250,8 @@ class SimServer:
         if problem is not None:
             return self._error(400, "BadRequestError", problem)
         await asyncio.sleep(self.config.efficiency.api_overhead_s)  # HTTP + tokenizer
+        if not self.alive:
+            return self._error(503, "ServiceUnavailableError", "server stopped")
         self._seq += 1
         req = SimRequest(f"{self.config.name}-{self._seq}", prompt_tokens, max_tokens)
         self._clients[req] = _Client()
@@ -344,7 +350,7 @@ class SimServer:
         return web.Response(status=status, body=json.dumps(body).encode(),
                             headers=self._headers("application/json"))
 
-    def snapshot(self) -> dict[str, object]:
+    def snapshot(self) -> dict[str, Any]:
         e = self.engine
         return {"name": self.config.name, "gpu": self.config.gpu.name, "alive": self.alive,
                 "in_flight": self.in_flight, "running": e.num_running,
@@ -360,14 +366,24 @@ def occupancy(engine: Engine) -> float:
     return max(engine.kv_usage, engine.num_running / seqs) + engine.num_waiting / seqs
 
 
+ORCA_UTILIZATION: dict[str, Callable[[Engine], float | None]] = {
+    "occupancy": occupancy,
+    "kv_cache": lambda e: e.kv_usage,
+    "gpu_busy": lambda e: e.busy_fraction(),
+    "none": lambda e: None,
+}
+
+
 def orca_header(server: SimServer) -> str:
     """The ``endpoint-load-metrics`` value in ORCA's native-HTTP TEXT form.
 
     Envoy (source/common/orca/orca_parser.cc) wants ``TEXT `` then comma-separated
     ``key=value`` pairs (``key:value`` is accepted too). Fields:
 
-    * ``application_utilization``: :func:`occupancy`. client_side_weighted_round_robin
-      prefers it over everything else and sets weight = rps_fractional / utilization.
+    * ``application_utilization``: by default :func:`occupancy` (fleet option
+      ``orca_utilization``: occupancy, kv_cache, gpu_busy, or none to leave it out).
+      client_side_weighted_round_robin prefers it over everything else and sets
+      weight = rps_fractional / utilization.
     * ``cpu_utilization``: GPU busy fraction over the last second (what
       DCGM_FI_DEV_GPU_UTIL / 100 shows); CSWRR's fallback.
     * ``mem_utilization``: KV-cache usage, 0..1 (FB memory is preallocated and flat).
@@ -377,8 +393,9 @@ def orca_header(server: SimServer) -> str:
       num_requests_waiting) plus num_requests_running.
     """
     e = server.engine
+    app = ORCA_UTILIZATION[server.config.orca_utilization](e)
     pairs = (
-        ("application_utilization", occupancy(e)),
+        *((("application_utilization", app),) if app is not None else ()),
         ("cpu_utilization", e.busy_fraction()),
         ("mem_utilization", e.kv_usage),
         ("rps_fractional", e.completion_rate()),
