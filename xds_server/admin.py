@@ -171,6 +171,9 @@ class AdminApi:
         pool, action = request.match_info["pool"], request.match_info["action"]
         if pool not in self.controller.rollouts.pools:
             return json_error(404, f"no rollout for pool {pool!r} (a pool needs `versions`)")
+        if not self.controller.rollouts.drive:
+            return json_error(409, "this replica follows the rollout state file "
+                                   "(rollouts.drive: false); send commands to the driving one")
         try:
             state = self.controller.rollouts.command(pool, action, self.controller.clock())
         except RolloutCommandError as exc:

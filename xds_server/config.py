@@ -452,6 +452,9 @@ class KedaConfig(_Model):
 class RolloutsConfig(_Model):
     # Canary state survives restarts here; relative paths are relative to the config file.
     state_file: str = "trimtab-rollouts.json"
+    # With N replicas sharing the state file, exactly one drives (advances and writes); the
+    # others follow: they re-read the file every tick and route by it.
+    drive: bool = True
 
 
 class NodesConfig(_Model):

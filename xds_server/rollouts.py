@@ -26,11 +26,13 @@ ROLLOUT_EVENTS = Counter("trimtab_rollout_events_total",
 class Rollouts:
     def __init__(self, config: Config, state_file: Path | None) -> None:
         self.state_file = state_file
+        self.drive = config.rollouts.drive
         self.states: dict[str, RolloutState] = (
             rollout.load_state(state_file) if state_file is not None else {})
         self.apply_config(config)
 
     def apply_config(self, config: Config) -> None:
+        self.drive = config.rollouts.drive
         self.pools: dict[str, PoolConfig] = {
             pool.name: pool for pool in config.pools if pool.versions is not None}
         for name in [n for n in self.states if n not in self.pools]:
@@ -41,7 +43,10 @@ class Rollouts:
         return {name: self.states[name].percent for name in self.pools if name in self.states}
 
     def tick(self, tracker: SloTracker, now: float) -> bool:
-        """Advance every rollout; returns True when any state changed (and was saved)."""
+        """Advance every rollout; returns True when any state changed (and was saved).
+        A follower replica only re-reads the state the driving replica writes."""
+        if not self.drive:
+            return self._follow()
         changed = False
         for name, pool in self.pools.items():
             policy = pool.rollout or _default_policy()
@@ -53,6 +58,20 @@ class Rollouts:
             changed |= self._store(name, state if name in self.states else None, new)
         if changed:
             self.save()
+        return changed
+
+    def _follow(self) -> bool:
+        if self.state_file is None:
+            return False
+        try:
+            states = rollout.load_state(self.state_file)
+        except rollout.RolloutStateError as exc:
+            log.error("follower: keeping the last rollout state: %s", exc)
+            return False
+        changed = False
+        for name in self.pools:
+            if name in states:
+                changed |= self._store(name, self.states.get(name), states[name])
         return changed
 
     def command(self, name: str, action: str, now: float) -> RolloutState:
