@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -17,10 +18,12 @@ import pytest
 from aiohttp import web
 
 from xds_server.promql import (
+    Answer,
     PromQLError,
     PromQLResult,
     PromQLSource,
     default_queries,
+    merge_answers,
     parse_vector,
 )
 
@@ -96,6 +99,69 @@ def test_parse_other_label_missing_label_and_duplicates() -> None:
 def test_parse_rejects_unusable_answers(body: str, message: str) -> None:
     with pytest.raises(PromQLError, match=message):
         parse_vector(body, "instance")
+
+
+def test_parse_mixes_plain_and_irregular_series() -> None:
+    series = [
+        {"metric": {"instance": "a:1"}, "value": [1796123661.3, "0.5"]},
+        {"metric": {"job": "x"}, "value": [1796123661.3, "1"]},  # no label
+        {"value": [1796123661.3, "1"]},  # no metric at all
+        {"metric": {"instance": None}, "value": [1796123661.3, "1"]},  # null label
+        {"metric": {"instance": "b:1"}, "value": [1796123661.3, "NaN"]},
+        {"metric": {"instance": "a:1"}, "value": [1796123661.3, "0.25"]},  # duplicate
+        {"metric": {"instance": "c:1"}, "value": [1796123661.3, 2]},  # a number, not a string
+    ]
+    body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": series}})
+    values, problems = parse_vector(body, "instance")
+    assert values == {"a:1": 0.5, "c:1": 2.0}
+    assert problems == [
+        "series {'job': 'x'} has no 'instance' label",
+        "series {} has no 'instance' label",
+        "series {'instance': None} has no 'instance' label",
+        "instance='b:1' is nan",
+        "instance='a:1' appears twice; kept the larger value",
+    ]
+
+
+@pytest.mark.parametrize("bad", [[1, "2"], {"metric": {"instance": "a:1"}, "value": "x"}])
+def test_parse_rejects_a_malformed_series_among_good_ones(bad: object) -> None:
+    good = {"metric": {"instance": "a:1"}, "value": [1796123661.3, "0.5"]}
+    result = [good, bad]
+    body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+    with pytest.raises(PromQLError, match="bad sample"):
+        parse_vector(body, "instance")
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_parse_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
+    was = gc.isenabled()
+    try:
+        gc.enable() if enabled else gc.disable()
+        parse_vector(RECORDED_KV, "instance")
+        assert gc.isenabled() is enabled
+        with pytest.raises(PromQLError):
+            parse_vector("<html>502</html>", "instance")
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable() if was else gc.disable()
+
+
+def test_merge_answers_maps_and_keeps_order() -> None:
+    answers: dict[str, Answer] = {
+        "kv_usage": ({"x": 0.5, "y": 0.1, "z": 0.9}, ["dup"]),
+        "queue": "timeout: no answer within 2s",
+        "itl_ms": ({"y": 30.0, "x": 20.0, "w": 1.0}, []),
+    }
+    plain = merge_answers(answers)
+    assert list(plain.values) == ["x", "y", "z", "w"]
+    assert plain.values["x"] == {"kv_usage": 0.5, "itl_ms": 20.0}
+    assert plain.errors == {"queue": "timeout: no answer within 2s"}
+    assert plain.problems == ("kv_usage: dup",)
+    mapped = merge_answers(answers, {"x": "pod-a:1", "y": "pod-b:1", "w": "pod-b:1"})
+    assert mapped.values == {
+        "pod-a:1": {"kv_usage": 0.5, "itl_ms": 20.0},
+        "pod-b:1": {"kv_usage": 0.1, "itl_ms": 1.0},  # two labels, one address: the last wins
+    }
 
 
 def test_default_queries_follow_the_label() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -446,3 +447,202 @@ def test_nan_clock_makes_every_sample_stale() -> None:
     pool = {"a:1": fresh(Signals(kv_usage=0.1))}
     result = compute_composite_weights(pool, POLICY, math.nan, held(a_1=42))
     assert result.fail_static and result.endpoints["a:1"].weight == 42
+
+
+# --- the implementation against a straightforward reference ---------------------------------
+
+REF_BOUNDS = {  # signal -> (lowest, highest, lowest excluded)
+    "kv_usage": (0.0, 1.0, False),
+    "gpu_mem_pct": (0.0, 100.0, False),
+    "queue": (0.0, math.inf, False),
+    "running": (0.0, math.inf, False),
+    "itl_ms": (0.0, math.inf, False),
+    "capacity": (0.0, math.inf, True),
+}
+
+
+def _ref_number(value: object, lo: float, hi: float, exclusive: bool = False) -> float | None:
+    """``float(value)`` if it is a real number (not a bool) within the bounds, else None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    v = float(value)
+    if not math.isfinite(v) or v > hi or v < lo or (exclusive and v == lo):
+        return None
+    return v
+
+
+def _ref_assess(
+    inp: EndpointInput, policy: CompositePolicy
+) -> tuple[str, dict[str, float], float | None]:
+    """(status, clean signals, capacity) per the module docstring."""
+    if inp.signals is None or inp.collected_at is None:
+        return STALE, {}, None
+    if _ref_number(inp.collected_at, -math.inf, math.inf) is None:
+        return INVALID, {}, None
+    raw = {k: v for k, v in dataclasses.asdict(inp.signals).items() if v is not None}
+    clean = {k: _ref_number(v, *REF_BOUNDS[k]) for k, v in raw.items()}
+    configured = inp.configured_capacity
+    mix = {
+        "kv_usage": policy.memory_mix,
+        "gpu_mem_pct": policy.memory_mix,
+        "queue": policy.queue_mix,
+        "itl_ms": policy.latency_mix,
+    }
+    if (
+        None in clean.values()
+        or (configured is not None and _ref_number(configured, 0.0, math.inf, True) is None)
+        or not any(mix.get(k, 0.0) > 0 for k in clean)
+    ):
+        return INVALID, {}, None
+    signals = {k: v for k, v in clean.items() if v is not None}
+    status = HEALTHY if NOW - inp.collected_at <= policy.stale_after_seconds else STALE
+    return status, signals, signals.get("capacity", configured)
+
+
+def _ref_target(signals: dict[str, float], relative: float, policy: CompositePolicy) -> int:
+    norms = {}
+    if "kv_usage" in signals:
+        norms["memory"] = signals["kv_usage"]
+    elif "gpu_mem_pct" in signals:
+        norms["memory"] = signals["gpu_mem_pct"] / 100.0
+    if "queue" in signals:
+        norms["queue"] = min(signals["queue"] / policy.queue_cap, 1.0)
+    if "itl_ms" in signals:
+        norms["latency"] = min(signals["itl_ms"] / policy.itl_slo_ms, 2.0) / 2.0
+    mix = {k: m for k, m in policy.mix().items() if k in norms and m > 0}
+    load = sum(m / sum(mix.values()) * norms[k] for k, m in mix.items())  # in mix order
+    return round((1.0 - load) * relative * policy.max_weight)
+
+
+def _ref_weights(
+    pool: dict[str, EndpointInput], policy: CompositePolicy, prior: dict[str, int]
+) -> tuple[dict[str, tuple[int, str]], bool]:
+    """``address -> (weight, health)`` and fail-static, restated from the module docstring."""
+
+    def clamp(weight: float) -> int:
+        return int(max(1, min(policy.max_weight, weight)))
+
+    assessed = {a: _ref_assess(inp, policy) for a, inp in pool.items()}
+    if pool and all(status != HEALTHY for status, _, _ in assessed.values()):
+        return {a: (clamp(prior.get(a, 1)), status) for a, (status, _, _) in assessed.items()}, True
+    counted = [
+        float(capacity)
+        for status, _, capacity in assessed.values()
+        if capacity is not None
+        and (status == HEALTHY or (status == STALE and policy.staleness != "ignore"))
+    ]
+    out: dict[str, tuple[int, str]] = {}
+    for a, (status, signals, capacity) in assessed.items():
+        if status != HEALTHY:
+            continue
+        own = float(capacity) if capacity is not None else None
+        typical = statistics.median(counted) if counted else 1.0
+        relative = (own if own is not None else typical) / max(counted) if counted else 1.0
+        kv, queue = signals.get("kv_usage"), signals.get("queue")
+        if (kv is not None and kv >= policy.kv_degraded) or (
+            queue is not None and queue >= policy.queue_cap
+        ):
+            out[a] = (1, DEGRADED)
+            continue
+        target, before = clamp(_ref_target(signals, relative, policy)), prior.get(a)
+        if before is None:
+            weight = target
+        elif abs(target - before) < policy.deadband:
+            weight = clamp(before)
+        else:
+            weight = clamp(round(policy.ewma_alpha * target + (1 - policy.ewma_alpha) * before))
+        out[a] = (weight, HEALTHY)
+    neutral = statistics.median_low([w for w, _ in out.values()] or [1])
+    for a, (status, _, _) in assessed.items():
+        if status != HEALTHY:
+            mode = policy.staleness
+            weight = prior.get(a, 1) if mode == "hold" else neutral if mode == "ignore" else 1
+            out[a] = (clamp(weight), status)
+    return out, False
+
+
+def _mostly(valid: st.SearchStrategy[float]) -> st.SearchStrategy[object]:
+    """Usually a valid value or None, sometimes an edge or an invalid one."""
+    odd = st.sampled_from([0.0, 0.95, 32.0, 3, -1.0, math.nan, math.inf, True])
+    return st.one_of(st.none(), valid, valid, valid, odd)
+
+
+ref_input = st.builds(
+    EndpointInput,
+    signals=st.one_of(
+        st.none(),
+        *[
+            st.builds(
+                Signals,
+                kv_usage=_mostly(st.floats(0.0, 1.0)),
+                gpu_mem_pct=_mostly(st.floats(0.0, 100.0)),
+                queue=_mostly(st.floats(0.0, 40.0)),
+                running=_mostly(st.floats(0.0, 64.0)),
+                itl_ms=_mostly(st.floats(0.0, 150.0)),
+                capacity=st.none() | st.floats(1.0, 1e6) | st.sampled_from([0.0, 100.0, 200]),
+            )
+        ]
+        * 3,
+    ),
+    collected_at=st.one_of(
+        st.just(NOW - 1.0), st.just(NOW - 6.0), st.sampled_from([NOW - 60.0, None, math.nan])
+    ),
+    error=st.none() | st.just("boom"),
+    configured_capacity=st.none() | st.sampled_from([50.0, 100.0, 400, -1.0]),
+)
+ref_policies = st.builds(
+    CompositePolicy,
+    memory_mix=st.sampled_from([0.0, 0.4, 1.0]),
+    queue_mix=st.sampled_from([0.0, 0.35]),
+    latency_mix=st.sampled_from([0.25, 2.0]),
+    queue_cap=st.sampled_from([32.0, 64.0]),
+    ewma_alpha=st.floats(min_value=0.01, max_value=1.0),
+    deadband=st.sampled_from([0.0, 1.0, 3.0]) | st.floats(min_value=0.0, max_value=10.0),
+    max_weight=st.integers(min_value=1, max_value=1000),
+    kv_degraded=st.sampled_from([0.95, 1.0]),
+    staleness=st.sampled_from(["saturated", "hold", "ignore"]),
+)
+
+
+@settings(max_examples=400)
+@given(
+    pool=st.dictionaries(st.sampled_from([f"10.0.0.{i}:8000" for i in range(12)]), ref_input),
+    prev=st.dictionaries(
+        st.sampled_from([f"10.0.0.{i}:8000" for i in range(12)]), st.integers(-5, 1200)
+    ),
+    policy=ref_policies,
+)
+def test_matches_a_straightforward_reference(
+    pool: dict[str, EndpointInput], prev: dict[str, int], policy: CompositePolicy
+) -> None:
+    previous = PoolWeights(
+        {a: EndpointWeight(w, False, False, {}, None) for a, w in prev.items()}, False
+    )
+    result = compute_composite_weights(pool, policy, NOW, previous)
+    expected, fail_static = _ref_weights(pool, policy, prev)
+    got = {a: (ew.weight, ew.health) for a, ew in result.endpoints.items()}
+    assert (got, result.fail_static) == (expected, fail_static)
+    assert list(result.endpoints) == sorted(pool)
+    for ew in result.endpoints.values():
+        if ew.health == HEALTHY:  # the breakdown adds up, and names every input it used
+            shares = sum(v for k, v in ew.breakdown.items() if k.startswith("share."))
+            assert shares == pytest.approx(ew.breakdown["score"], abs=1e-9)
+            assert ew.breakdown["weight"] == ew.weight
+            assert {f"input.{k}" for k in ew.signals} <= ew.breakdown.keys()
+
+
+def test_from_mapping_fast_and_general_paths_agree() -> None:
+    assert Signals.from_mapping({"queue": 2.0, "kv_usage": 0.5}) == Signals(kv_usage=0.5, queue=2.0)
+    renamed = Signals.from_mapping({"kv_usage": 0.5, "kv_capacity_tokens": 9.0, "junk": 1.0})
+    assert renamed == Signals(kv_usage=0.5, capacity=9.0)
+    assert Signals.from_mapping({}) == Signals()
+
+
+def test_inputs_stay_frozen_values() -> None:
+    signals = Signals(kv_usage=0.5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        signals.kv_usage = 0.1  # type: ignore[misc]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        fresh(signals).collected_at = 0.0  # type: ignore[misc]
+    assert dataclasses.replace(signals, queue=1.0).as_dict() == {"kv_usage": 0.5, "queue": 1.0}
+    assert hash(signals) == hash(Signals(kv_usage=0.5))

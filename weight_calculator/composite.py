@@ -45,10 +45,13 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import statistics
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Literal
+from itertools import combinations
+from typing import Literal, NamedTuple
 
 from weight_calculator.types import EndpointWeight, PoolWeights
 
@@ -68,9 +71,15 @@ _BOUNDS: Mapping[str, tuple[float, float, bool]] = {
     "collected_at": (-math.inf, math.inf, False),
 }
 _ALIASES = {"kv_capacity_tokens": "capacity"}
+# The same bounds with infinities replaced by the largest finite float, so that one chained
+# comparison (``lo <= v <= hi``) also rejects NaN and +-inf.
+_RANGES: Mapping[str, tuple[float, float, bool]] = {
+    name: (max(lo, -sys.float_info.max), min(hi, sys.float_info.max), exclusive)
+    for name, (lo, hi, exclusive) in _BOUNDS.items()
+}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: ~40% cheaper to build, 10k a tick
 class Signals:
     """Load signals of one endpoint; ``None`` = not available."""
 
@@ -83,22 +92,32 @@ class Signals:
 
     def as_dict(self) -> dict[str, float]:
         """The present signals as ``name -> value``."""
-        return {name: v for name in _SIGNAL_NAMES if (v := getattr(self, name)) is not None}
+        return {
+            n: v for n, v in zip(_SIGNAL_NAMES, _signal_values(self), strict=True) if v is not None
+        }
 
     @classmethod
     def from_mapping(cls, values: Mapping[str, float]) -> Signals:
         """Build from a flat mapping (e.g. ``Sample.signals``); unknown keys are ignored and
         ``kv_capacity_tokens`` is accepted for ``capacity``."""
-        known = {
-            _ALIASES.get(k, k): v for k, v in values.items() if _ALIASES.get(k, k) in _SIGNAL_NAMES
-        }
+        if values.keys() <= _SIGNAL_SET:  # the common case: nothing to drop or rename
+            return cls(**values)
+        known: dict[str, float] = {}
+        for key, value in values.items():
+            name = _ALIASES.get(key, key)
+            if name in _SIGNAL_SET:
+                known[name] = value
         return cls(**known)
 
 
 _SIGNAL_NAMES: tuple[str, ...] = tuple(f.name for f in fields(Signals))
+_SIGNAL_SET = frozenset(_SIGNAL_NAMES)
+_signal_values = operator.attrgetter(*_SIGNAL_NAMES)  # Signals -> every field, in order
+_INPUT_KEYS = {name: f"input.{name}" for name in _SIGNAL_NAMES}  # breakdown key per signal
+_SIGNAL_RANGES = tuple(_RANGES[name] for name in _SIGNAL_NAMES)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: ~40% cheaper to build, 10k a tick
 class EndpointInput:
     """What the caller knows about one endpoint this tick."""
 
@@ -146,10 +165,60 @@ class CompositePolicy:
         return {"memory": self.memory_mix, "queue": self.queue_mix, "latency": self.latency_mix}
 
 
-# --- per-endpoint assessment ------------------------------------------------------------------
+# --- per-tick constants -----------------------------------------------------------------------
+
+_LOAD_KEYS: tuple[str, ...] = ("memory", "queue", "latency")  # the order of ``policy.mix()``
+_LOAD_SOURCES: Mapping[str, str] = {
+    "kv_usage": "memory",
+    "gpu_mem_pct": "memory",
+    "queue": "queue",
+    "itl_ms": "latency",
+}
+
+
+class _Term(NamedTuple):
+    """One mixed load key of an endpoint, with its share of the mix and breakdown keys."""
+
+    key: str
+    share: float  # its mix / the sum of the mixes of the keys present
+    norm_key: str
+    mix_key: str
+    share_key: str
 
 
 @dataclass(frozen=True)
+class _Plan:
+    """What the policy implies for every endpoint, worked out once per call."""
+
+    feeding: frozenset[str]  # signals that feed a load key with a non-zero mix
+    no_load: str  # the reason given to an endpoint with none of them
+    terms: Mapping[tuple[str, ...], tuple[_Term, ...]]  # load keys present -> mixed terms
+
+    @classmethod
+    def of(cls, policy: CompositePolicy) -> _Plan:
+        mix = policy.mix()
+        weighted = [k for k, m in mix.items() if m > 0]
+        terms: dict[tuple[str, ...], tuple[_Term, ...]] = {}
+        for size in range(1, len(_LOAD_KEYS) + 1):
+            for present in combinations(_LOAD_KEYS, size):
+                used = {k: mix[k] for k in present if mix[k] > 0}
+                total = sum(used.values())
+                if total > 0:
+                    terms[present] = tuple(
+                        _Term(k, m / total, f"norm.{k}", f"mix.{k}", f"share.{k}")
+                        for k, m in used.items()
+                    )
+        return cls(
+            feeding=frozenset(s for s, k in _LOAD_SOURCES.items() if k in weighted),
+            no_load=f"no load signal with a non-zero mix (mixed: {', '.join(weighted)})",
+            terms=terms,
+        )
+
+
+# --- per-endpoint assessment ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
 class _Assessed:
     """An endpoint's inputs after validation and the staleness check."""
 
@@ -175,29 +244,32 @@ def _as_float(value: object) -> float | None:
 
 
 def _invalid_value(name: str, value: object) -> bool:
-    v = _as_float(value)
+    lo, hi, exclusive = _RANGES[name]  # finite: the comparisons reject NaN and +-inf
+    v = value if type(value) is float else _as_float(value)
     if v is None:
         return True
-    lo, hi, exclusive = _BOUNDS[name]
-    return not (math.isfinite(v) and v <= hi and (v > lo if exclusive else v >= lo))
+    return not (lo < v <= hi if exclusive else lo <= v <= hi)
 
 
-def _validate(
-    signals: Mapping[str, float], configured: float | None, policy: CompositePolicy
-) -> str | None:
-    """The first reason these inputs are unusable, or ``None``."""
-    for name, value in signals.items():
-        if _invalid_value(name, value):
+def _validated(signals: Signals, configured: float | None, plan: _Plan) -> dict[str, float] | str:
+    """The present signals as floats, or the first reason these inputs are unusable."""
+    clean: dict[str, float] = {}
+    values = _signal_values(signals)
+    for name, value, (lo, hi, exclusive) in zip(_SIGNAL_NAMES, values, _SIGNAL_RANGES, strict=True):
+        if value is None:
+            continue
+        v = value if type(value) is float else _as_float(value)
+        if v is None or not (lo < v <= hi if exclusive else lo <= v <= hi):
             return f"invalid {name}={value!r}"
+        clean[name] = v
     if configured is not None and _invalid_value("capacity", configured):
         return f"invalid configured_capacity={configured!r}"
-    weighted = [k for k, m in policy.mix().items() if m > 0]
-    if not _normalised(signals, policy).keys() & set(weighted):
-        return f"no load signal with a non-zero mix (mixed: {', '.join(weighted)})"
-    return None
+    if plan.feeding.isdisjoint(clean):
+        return plan.no_load
+    return clean
 
 
-def _assess(inp: EndpointInput, policy: CompositePolicy, now: float) -> _Assessed:
+def _assess(inp: EndpointInput, policy: CompositePolicy, plan: _Plan, now: float) -> _Assessed:
     failed = inp.error is not None or inp.signals is None
     suffix = f" ({inp.error})" if inp.error else ""
     if inp.signals is None or inp.collected_at is None:
@@ -205,11 +277,9 @@ def _assess(inp: EndpointInput, policy: CompositePolicy, now: float) -> _Assesse
     if _invalid_value("collected_at", inp.collected_at):
         reason = f"invalid collected_at={inp.collected_at!r}"
         return _Assessed(INVALID, reason, {}, None, None, failed)
-    signals = inp.signals.as_dict()
-    problem = _validate(signals, inp.configured_capacity, policy)
-    if problem is not None:
-        return _Assessed(INVALID, problem, signals, inp.collected_at, None, failed)
-    signals = {name: float(value) for name, value in signals.items()}  # validated reals
+    signals = _validated(inp.signals, inp.configured_capacity, plan)
+    if isinstance(signals, str):
+        return _Assessed(INVALID, signals, inp.signals.as_dict(), inp.collected_at, None, failed)
     capacity = signals.get("capacity", inp.configured_capacity)
     age = now - inp.collected_at
     if not age <= policy.stale_after_seconds:  # also catches NaN
@@ -222,10 +292,14 @@ def _assess(inp: EndpointInput, policy: CompositePolicy, now: float) -> _Assesse
 # --- capacity ---------------------------------------------------------------------------------
 
 
-def _relative_capacities(
+def _capacity_scale(
     assessed: Mapping[str, _Assessed], policy: CompositePolicy
-) -> dict[str, float]:
-    """``capacity / pool max`` for every usable endpoint (see the module docstring)."""
+) -> tuple[float, float]:
+    """``(pool max, typical)`` capacity; ``(1, 1)`` when no endpoint knows its own.
+
+    An endpoint's relative capacity is ``(its capacity, else typical) / pool max`` (see the
+    module docstring).
+    """
     counted = [
         a.capacity
         for a in assessed.values()
@@ -233,29 +307,28 @@ def _relative_capacities(
         and (a.usable or (a.status == STALE and policy.staleness != "ignore"))
     ]
     if not counted:
-        return {address: 1.0 for address, a in assessed.items() if a.usable}
-    top = max(counted)
-    typical = statistics.median(counted)
-    return {
-        address: (a.capacity if a.capacity is not None else typical) / top
-        for address, a in assessed.items()
-        if a.usable
-    }
+        return 1.0, 1.0
+    return max(counted), statistics.median(counted)
 
 
 # --- load and weight of a usable endpoint -----------------------------------------------------
 
 
 def _normalised(signals: Mapping[str, float], policy: CompositePolicy) -> dict[str, float]:
+    """Each load key present, in ``[0, 1]`` (``min(x, cap)`` is written ``cap if x > cap``)."""
     norms: dict[str, float] = {}
-    if "kv_usage" in signals:
-        norms["memory"] = signals["kv_usage"]
-    elif "gpu_mem_pct" in signals:
-        norms["memory"] = signals["gpu_mem_pct"] / 100.0
-    if "queue" in signals:
-        norms["queue"] = min(signals["queue"] / policy.queue_cap, 1.0)
-    if "itl_ms" in signals:
-        norms["latency"] = min(signals["itl_ms"] / policy.itl_slo_ms, 2.0) / 2.0
+    kv, gpu = signals.get("kv_usage"), signals.get("gpu_mem_pct")
+    if kv is not None:
+        norms["memory"] = kv
+    elif gpu is not None:
+        norms["memory"] = gpu / 100.0
+    queue, itl = signals.get("queue"), signals.get("itl_ms")
+    if queue is not None:
+        queue /= policy.queue_cap
+        norms["queue"] = 1.0 if queue > 1.0 else queue
+    if itl is not None:
+        itl /= policy.itl_slo_ms
+        norms["latency"] = (2.0 if itl > 2.0 else itl) / 2.0
     return norms
 
 
@@ -269,25 +342,33 @@ def _degraded(signals: Mapping[str, float], policy: CompositePolicy) -> str | No
 
 
 def _target(
-    norms: Mapping[str, float], relative: float, policy: CompositePolicy
-) -> tuple[int, dict[str, float]]:
-    """The un-smoothed weight and its breakdown (shares sum to the score)."""
-    mix = {k: m for k, m in policy.mix().items() if k in norms and m > 0}
-    total = sum(mix.values())  # > 0: _validate rejects endpoints without a mixed signal
-    breakdown: dict[str, float] = {}
-    for key, m in mix.items():
-        share = m / total
-        breakdown[f"norm.{key}"] = norms[key]
-        breakdown[f"mix.{key}"] = share
-        breakdown[f"share.{key}"] = share * (1.0 - norms[key]) * relative
-    headroom = 1.0 - sum(m / total * norms[k] for k, m in mix.items())
+    norms: Mapping[str, float],
+    relative: float,
+    terms: tuple[_Term, ...],
+    policy: CompositePolicy,
+    breakdown: dict[str, float],
+) -> int:
+    """The un-smoothed weight; adds its breakdown (shares sum to the score) to ``breakdown``."""
+    load = 0.0
+    for key, share, norm_key, mix_key, share_key in terms:
+        norm = norms[key]
+        breakdown[norm_key] = norm
+        breakdown[mix_key] = share
+        breakdown[share_key] = share * (1.0 - norm) * relative
+        load += share * norm
+    headroom = 1.0 - load
     score = headroom * relative
-    breakdown.update(headroom=headroom, relative_capacity=relative, score=score)
-    return _clamp(round(score * policy.max_weight), policy), breakdown
+    breakdown["headroom"] = headroom
+    breakdown["relative_capacity"] = relative
+    breakdown["score"] = score
+    return _clamp(round(score * policy.max_weight), policy)
 
 
 def _clamp(weight: float, policy: CompositePolicy) -> int:
-    return int(max(MIN_WEIGHT, min(policy.max_weight, weight)))
+    """``int(max(MIN_WEIGHT, min(policy.max_weight, weight)))``, without the builtin calls."""
+    top = policy.max_weight
+    capped = weight if weight < top else top
+    return int(capped if capped > MIN_WEIGHT else MIN_WEIGHT)
 
 
 def _smooth(target: int, previous: int | None, policy: CompositePolicy) -> int:
@@ -310,36 +391,34 @@ def _finite(signals: Mapping[str, float]) -> dict[str, float]:
     return out
 
 
-def _inputs(signals: Mapping[str, float], clean: bool = False) -> dict[str, float]:
-    """Breakdown entries for the inputs; ``clean`` says they were validated already."""
-    values = signals if clean else _finite(signals)
-    return {f"input.{name}": float(value) for name, value in values.items()}
+def _inputs(signals: Mapping[str, float]) -> dict[str, float]:
+    """Breakdown entries for inputs that may not have been validated (finite ones only)."""
+    return {_INPUT_KEYS[name]: value for name, value in _finite(signals).items()}
 
 
 def _usable_weight(
-    a: _Assessed, relative: float, previous: EndpointWeight | None, policy: CompositePolicy
+    a: _Assessed,
+    relative: float,
+    previous: EndpointWeight | None,
+    policy: CompositePolicy,
+    plan: _Plan,
 ) -> EndpointWeight:
-    norms = _normalised(a.signals, policy)
-    degraded = _degraded(a.signals, policy)
+    signals = a.signals
+    norms = _normalised(signals, policy)
+    degraded = _degraded(signals, policy)
+    breakdown = {_INPUT_KEYS[name]: value for name, value in signals.items()}  # clean floats
     if degraded is not None:
         weight, health, reason = MIN_WEIGHT, DEGRADED, degraded
-        breakdown = {**_inputs(a.signals, clean=True), **{f"norm.{k}": v for k, v in norms.items()}}
+        breakdown.update({f"norm.{k}": v for k, v in norms.items()})
         breakdown["target_weight"] = float(MIN_WEIGHT)
     else:
-        target, breakdown = _target(norms, relative, policy)
-        breakdown = {**_inputs(a.signals, clean=True), **breakdown, "target_weight": float(target)}
+        target = _target(norms, relative, plan.terms[tuple(norms)], policy, breakdown)
+        breakdown["target_weight"] = float(target)
         prior = previous.weight if previous is not None else None
         weight, health, reason = _smooth(target, prior, policy), HEALTHY, a.reason
     breakdown["weight"] = float(weight)
     return EndpointWeight(
-        weight=weight,
-        stale=a.last_failed,
-        saturated=False,
-        signals=a.signals,
-        updated_at=a.updated_at,
-        reason=reason,
-        health=health,
-        breakdown=breakdown,
+        weight, a.last_failed, False, signals, a.updated_at, reason, health, breakdown
     )
 
 
@@ -400,18 +479,30 @@ def compute_composite_weights(
     EWMA, the deadband, ``staleness="hold"`` and fail-static. An empty pool yields no
     endpoints and ``fail_static=False``.
     """
-    assessed = {address: _assess(inputs[address], policy, now) for address in sorted(inputs)}
+    plan = _Plan.of(policy)
+    assessed = {address: _assess(inputs[address], policy, plan, now) for address in sorted(inputs)}
     held = previous.endpoints if previous is not None else {}
-    if assessed and not any(a.usable for a in assessed.values()):
+    usable = {address: a for address, a in assessed.items() if a.usable}
+    if assessed and not usable:
         return _fail_static(assessed, held, policy)
-    relative = _relative_capacities(assessed, policy)
+    top, typical = _capacity_scale(assessed, policy)
     endpoints = {
-        address: _usable_weight(a, relative[address], held.get(address), policy)
-        for address, a in assessed.items()
-        if a.usable
+        address: _usable_weight(
+            a,
+            (a.capacity if a.capacity is not None else typical) / top,
+            held.get(address),
+            policy,
+            plan,
+        )
+        for address, a in usable.items()
     }
-    neutral = statistics.median_low([ew.weight for ew in endpoints.values()] or [MIN_WEIGHT])
-    for address, a in assessed.items():
-        if not a.usable:
-            endpoints[address] = _unusable_weight(a, held.get(address), neutral, policy)
-    return PoolWeights(endpoints=dict(sorted(endpoints.items())), fail_static=False)
+    if len(endpoints) == len(assessed):  # already in address order
+        return PoolWeights(endpoints=endpoints, fail_static=False)
+    neutral = statistics.median_low([ew.weight for ew in endpoints.values()])
+    ordered = {
+        address: endpoints[address]
+        if a.usable
+        else _unusable_weight(a, held.get(address), neutral, policy)
+        for address, a in assessed.items()
+    }
+    return PoolWeights(endpoints=ordered, fail_static=False)

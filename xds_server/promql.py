@@ -9,9 +9,11 @@ loses its own signal: the error is reported per signal in :class:`PromQLResult.e
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +76,23 @@ def _series_value(series: Any) -> float:
         raise PromQLError(f"format: bad sample {series!r}") from exc
 
 
+@contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (if enabled) for the duration of the block.
+
+    A 10,000-series answer decodes to ~20,000 containers, which would set off collections
+    (full ones included) that walk the whole, acyclic tree several times per answer: about
+    a third of the parse time. Reference counting frees the tree before the GC resumes.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def _answer(body: bytes | str) -> Mapping[str, Any]:
     """The ``data`` of a successful API answer; raises :class:`PromQLError` otherwise."""
     try:
@@ -112,6 +131,11 @@ def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[
     label value the larger value is kept (and reported). Raises :class:`PromQLError` for an
     error answer, a non-vector result or malformed JSON.
     """
+    with _gc_paused():
+        return _parse_vector(body, label)
+
+
+def _parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[str]]:
     values: dict[str, float] = {}
     problems: list[str] = []
     isfinite = math.isfinite
