@@ -114,6 +114,7 @@ class AdminApi:
         self.servicer = servicer
         self.nacks = nacks
         self.history = history if history is not None else WeightHistory()
+        self._injected: set[str] = set()  # test hooks: pools with an injected invalid CLA
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
@@ -189,7 +190,10 @@ class AdminApi:
         pool = str(body.get("pool", ""))
         if pool not in {p.name for p in self.controller.config.pools}:
             return json_error(404, f"unknown pool {pool!r}")
-        self.controller.mutators[:] = [invalid_weight_mutator(pool)] if body.get("enabled") else []
+        self._injected.discard(pool)
+        if body.get("enabled"):
+            self._injected.add(pool)
+        self.controller.mutators[:] = [invalid_weight_mutator(p) for p in sorted(self._injected)]
         published = self.controller.publish()
         return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
 

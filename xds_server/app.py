@@ -153,6 +153,7 @@ class Trimtab:
         if self._scaler is not None:
             await self._scaler.stop(SHUTDOWN_GRACE_S)
             self._scaler = None
+        self.servicer.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(SHUTDOWN_GRACE_S)
             self._grpc = None

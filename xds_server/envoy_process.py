@@ -104,7 +104,6 @@ def render_bootstrap(
     """An Envoy bootstrap that takes CDS and LDS over ADS from ``xds_host:xds_port``."""
     if api not in ("sotw", "delta"):
         raise ValueError(f"api must be 'sotw' or 'delta', not {api!r}")
-    ads_source = {"ads": {}, "resource_api_version": "V3"}
     return {
         "node": {"id": node_id, "cluster": node_cluster},
         "dynamic_resources": {
@@ -114,8 +113,8 @@ def render_bootstrap(
                 "set_node_on_first_message_only": True,
                 "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
             },
-            "cds_config": dict(ads_source),
-            "lds_config": dict(ads_source),
+            "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3"},
         },
         "static_resources": {"clusters": [_xds_cluster(xds_host, xds_port)]},
         "admin": {

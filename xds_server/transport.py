@@ -63,6 +63,7 @@ class StreamInfo:
     service: str
     machine: SotwStream | DeltaStream
     access: StreamAccess | None = None  # set when the servicer has a guard
+    wake: asyncio.Event | None = None
 
     @property
     def node_id(self) -> str:
@@ -77,8 +78,17 @@ class XdsServicer:
                  guard: XdsGuard | None = None) -> None:
         self.cache = cache
         self.guard = guard
+        self.closing = False
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
+
+    def close_streams(self) -> None:
+        """Shutting down: end every open stream now (clients reconnect, e.g. to a replica)
+        instead of letting the server wait out its grace period on streams that never end."""
+        self.closing = True
+        for info in list(self.streams):
+            if info.wake is not None:
+                info.wake.set()
 
     def handlers(self) -> list[grpc.GenericRpcHandler]:
         out = []
@@ -107,7 +117,7 @@ class XdsServicer:
 
     async def _serve(self, info: StreamInfo, requests: AsyncIterator,
                      context: grpc.aio.ServicerContext) -> None:
-        wake = asyncio.Event()
+        wake = info.wake = asyncio.Event()
         inbox: deque = deque()
         unwatch = self.cache.watch_event(wake)
         reader = asyncio.create_task(self._read(requests, inbox, wake))
@@ -145,6 +155,8 @@ class XdsServicer:
         while True:
             await wake.wait()
             wake.clear()
+            if self.closing:
+                return
             while inbox:
                 request = inbox.popleft()
                 if request is None:
