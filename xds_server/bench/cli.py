@@ -1,0 +1,304 @@
+"""`trimtab bench`: the same workload through a real Envoy with each balancing policy.
+
+    trimtab bench --fleet examples/fleet-hetero.yaml --workload examples/workload-mixed.yaml \\
+        --policies round_robin,least_request,cswrr_orca,trimtab --duration 120 --seed 1 \\
+        --out benchmarks/results/bench-hetero-s1
+
+Starts the simulated fleet once (``trimtab sim``), then per policy: Envoy (static config for
+the baselines; ADS from ``trimtab serve`` for trimtab), waits until Envoy routes to every
+host, runs the workload (same seed, an unmeasured warm-up first), and waits for the fleet to
+drain before the next policy. Prints the comparison and writes DIR/bench.json, DIR/bench.png,
+DIR/records-<policy>.jsonl and every process's log and config. ``--report-only --out DIR``
+recomputes the summaries, table and figure from DIR's records without running anything.
+
+Exit status: 0 when every policy ran, 1 when something could not start or was interrupted,
+2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import platform
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from xds_server import __version__
+from xds_server.envoy_process import EnvoyError, envoy_binary
+from xds_server.loadgen.workload import Workload, WorkloadError, load_workload
+from xds_server.sim.fleet import FleetError, load_fleet
+
+from . import envoy_configs, report
+from .runner import (
+    BenchError,
+    Counters,
+    Fleet,
+    LoadPlan,
+    LoadRun,
+    PolicyStack,
+    SimFleetProcess,
+    measure,
+    samplers_for,
+)
+
+EXIT_BAD_INPUT = 2
+DRAIN_TIMEOUT_S = 180.0
+PROGRESS_EVERY_S = 15.0
+
+
+@dataclass(frozen=True)
+class BenchSettings:
+    fleet: str
+    workload: str
+    policies: tuple[str, ...]
+    duration: float
+    warmup: float
+    tail: float
+    rate: float
+    seed: int
+    weights: str
+    interval: float
+    out: str
+    composite: dict[str, Any] = field(default_factory=dict)
+
+    def plan(self) -> LoadPlan:
+        return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
+
+
+def _policies(text: str) -> tuple[str, ...]:
+    names = tuple(p.strip() for p in text.split(",") if p.strip())
+    unknown = [p for p in names if p not in envoy_configs.POLICIES]
+    if unknown or not names or len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(
+            f"a comma-separated subset of {','.join(envoy_configs.POLICIES)}, no repeats")
+    return names
+
+
+def _positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError("must be > 0")
+    return value
+
+
+def _overrides(text: str) -> dict[str, Any]:
+    """``key=value,...`` for ``weights.composite``; numbers become floats."""
+    out: dict[str, Any] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise argparse.ArgumentTypeError(f"expected key=value, got {item!r}")
+        try:
+            out[key.strip()] = float(value)
+        except ValueError:
+            out[key.strip()] = value.strip()
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="trimtab bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--fleet", help="fleet YAML (trimtab sim); required unless --report-only")
+    p.add_argument("--workload", help="workload YAML (trimtab load); required unless "
+                                      "--report-only")
+    p.add_argument("--policies", type=_policies, default=envoy_configs.POLICIES,
+                   help="comma-separated, run in this order (default: all four)")
+    p.add_argument("--duration", type=_positive, default=120.0,
+                   help="measured seconds per policy (default 120)")
+    p.add_argument("--warmup", type=float,
+                   help="unmeasured seconds before (default: 10%% of --duration, at least 5)")
+    p.add_argument("--tail", type=float, default=60.0,
+                   help="seconds a request may still run after the last arrival before it "
+                        "counts as unfinished (default 60)")
+    p.add_argument("--rate", type=_positive, help="req/s (default: the workload's)")
+    p.add_argument("--seed", type=int, help="schedule seed (default: the workload's)")
+    p.add_argument("--weights", choices=["composite", "gpu_memory"], default="composite",
+                   help="trimtab's weight policy (default composite)")
+    p.add_argument("--interval", type=_positive, default=2.0,
+                   help="trimtab's telemetry interval in seconds (default 2)")
+    p.add_argument("--composite", type=_overrides, default={},
+                   help="override trimtab's composite knobs, e.g. queue_cap=8,ewma_alpha=1")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild bench.json/png and the table from --out's records; run nothing")
+    return p
+
+
+def settings_from(args: argparse.Namespace, w: Workload) -> BenchSettings:
+    warmup = args.warmup if args.warmup is not None else max(5.0, 0.1 * args.duration)
+    if warmup < 0 or args.tail < 0:
+        raise ValueError("--warmup and --tail must be >= 0")
+    return BenchSettings(
+        fleet=args.fleet, workload=args.workload, policies=tuple(args.policies),
+        duration=args.duration, warmup=warmup, tail=args.tail, rate=args.rate or w.rate,
+        seed=w.seed if args.seed is None else args.seed, weights=args.weights,
+        interval=args.interval, out=args.out, composite=dict(args.composite))
+
+
+def log(message: str) -> None:
+    print(f"bench: {message}", file=sys.stderr, flush=True)
+
+
+async def _progress(policy: str, counters: Counters, plan: LoadPlan) -> None:
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(PROGRESS_EVERY_S)
+        log(f"{policy}: {time.monotonic() - started:.0f}/{plan.total:.0f} s, sent "
+            f"{counters.sent}, answered {counters.done}, in flight "
+            f"{counters.sent - counters.done}, errors {counters.errors}")
+
+
+async def _measure(stack: PolicyStack, w: Workload, s: BenchSettings) -> LoadRun:
+    counters = Counters()
+    ticker = asyncio.create_task(_progress(stack.policy, counters, s.plan()))
+    try:
+        return await measure(stack.listener_url, w, s.plan(),
+                             samplers_for(stack, s.interval), counters)
+    finally:
+        ticker.cancel()
+        await asyncio.gather(ticker, return_exceptions=True)
+
+
+def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> LoadRun:
+    """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
+    stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
+                        composite=s.composite)
+    try:
+        stack.start()
+        log(f"{policy}: Envoy routes to {len(fleet.servers)} hosts via "
+            f"{stack.listener_url}; {s.warmup:g} s warm-up + {s.duration:g} s measured")
+        return asyncio.run(_measure(stack, w, s))
+    finally:
+        stack.close()
+
+
+def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
+    out = Path(s.out)
+    sim = SimFleetProcess(s.fleet, model, out)
+    entries: dict[str, Any] = {}
+    ttfts: dict[str, list[float]] = {}
+    try:
+        fleet = sim.start()
+        log(f"fleet up (pid {sim.child.pid}): " + ", ".join(
+            f"{x.name}={x.address}" for x in fleet.servers))
+        for policy in s.policies:
+            drain = sim.wait_drained(DRAIN_TIMEOUT_S)
+            run = run_policy(policy, fleet, w, s)
+            entries[policy] = report.policy_entry(run, s.plan(), f"envoy:{policy}", fleet, drain)
+            ttfts[policy] = report.ttft_values(run, s.plan())
+            report.write_records(run, out / f"records-{policy}.jsonl")
+            log(f"{policy}: done, {run.unfinished} unfinished")
+    finally:
+        sim.stop()
+    doc = {"config": _config(s, fleet), "seed": s.seed, "versions": versions(),
+           "policies": entries, "comparison": report.comparison(entries)}
+    report.write_json(doc, out / "bench.json")
+    if not report.write_png(doc, ttfts, out / "bench.png"):
+        log("matplotlib is not installed: no bench.png (pip install matplotlib)")
+    return doc
+
+
+def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
+    return {**asdict(s), "policies": list(s.policies),
+            "fleet_servers": [asdict(x) for x in fleet.servers], "model": fleet.model,
+            "envoy": {"cluster": envoy_configs.CLUSTER,
+                      "circuit_breakers": envoy_configs.CIRCUIT_LIMIT,
+                      "route_timeout": "0s", "idle_timeout": envoy_configs.IDLE_TIMEOUT,
+                      "cswrr": envoy_configs.CSWRR_SETTINGS},
+            "trimtab": {"lb_policy": "least_request", "weights": s.weights,
+                        "interval_seconds": s.interval, "composite": s.composite}}
+
+
+def rereport(out: Path) -> dict[str, Any]:
+    """Recompute every summary, the comparison and the figure from ``out``'s records."""
+    doc = json.loads((out / "bench.json").read_text())
+    c = doc["config"]
+    plan = LoadPlan(c["rate"], c["warmup"], c["duration"], c["seed"], c["tail"])
+    ttfts: dict[str, list[float]] = {}
+    for policy, entry in doc["policies"].items():
+        records = report.read_records(out / f"records-{policy}.jsonl")
+        started = entry["summary"]["started_unix"] - plan.warmup
+        run = LoadRun(records, plan.total, entry["client"], 0, started)
+        entry["summary"] = report.policy_summary(run, plan, f"envoy:{policy}")
+        ttfts[policy] = report.ttft_values(run, plan)
+    doc["comparison"] = report.comparison(doc["policies"])
+    report.write_json(doc, out / "bench.json")
+    report.write_png(doc, ttfts, out / "bench.png")
+    return doc
+
+
+def versions() -> dict[str, Any]:
+    out: dict[str, Any] = {"trimtab": __version__, "python": platform.python_version(),
+                           "platform": platform.platform(), "cpus": os.cpu_count(),
+                           "loadavg": list(os.getloadavg())}
+    with contextlib.suppress(OSError, subprocess.SubprocessError, EnvoyError):
+        text = subprocess.run([envoy_binary(), "--version"], capture_output=True, text=True,
+                              timeout=10, check=False).stdout
+        out["envoy"] = text.strip().split("version:")[-1].strip()
+    for module in ("aiohttp", "matplotlib", "rich"):
+        with contextlib.suppress(ImportError, AttributeError):
+            out[module] = __import__(module).__version__
+    return out
+
+
+def _interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def interrupts_as_keyboard() -> Iterator[None]:
+    """SIGTERM behaves like Ctrl-C, so every ``finally`` stops its children."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        try:
+            report.print_report(rereport(Path(args.out)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"trimtab bench: cannot rebuild {args.out}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return 0
+    if not args.fleet or not args.workload:
+        print("trimtab bench: --fleet and --workload are required", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        w = load_workload(args.workload)
+        model = load_fleet(args.fleet).model
+        s = settings_from(args, w)
+    except (WorkloadError, FleetError, ValueError) as exc:
+        print(f"trimtab bench: invalid input: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    Path(s.out).mkdir(parents=True, exist_ok=True)
+    try:
+        with interrupts_as_keyboard():
+            doc = run_all(s, w, model)
+    except (BenchError, EnvoyError, OSError) as exc:
+        print(f"trimtab bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("trimtab bench: interrupted; every process it started was stopped",
+              file=sys.stderr)
+        return 1
+    report.print_report(doc)
+    print(f"\nwrote {Path(s.out) / 'bench.json'} and {Path(s.out) / 'bench.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
