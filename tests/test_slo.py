@@ -6,6 +6,8 @@ import math
 
 import pytest
 
+from xds_server.config import GateConfig
+from xds_server.rollout import gate_breach
 from xds_server.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
 
 
@@ -53,9 +55,23 @@ def test_tracker_window_deltas_per_version_and_restart():
     t.record("b", 0.0, parse_slo(vllm_page({"0.1": 0, "1": 0, "+Inf": 0}, 0)))
     t.record("b", 10.0, parse_slo(vllm_page({"0.1": 100, "1": 100, "+Inf": 100}, 100)))
     slow = t.stats(["a"], since=0.0)
-    assert slow.requests == 100 and slow.errors == 10
+    assert slow.requests == 110 and slow.errors == 10  # 100 finished + 10 failed
     assert 0.9 < (slow.ttft_p95_s or 0) <= 1.0  # the window's requests all took 0.1-1 s
     both = t.stats(["a", "b"], since=0.0)
-    assert both.requests == 200 and (both.ttft_p95_s or 0) < (slow.ttft_p95_s or 0)
+    assert both.requests == 210 and (both.ttft_p95_s or 0) < (slow.ttft_p95_s or 0)
     t.record("b", 20.0, parse_slo(vllm_page({"0.1": 5, "1": 5, "+Inf": 5}, 5)))  # restarted
     assert t.stats(["b"], since=10.0).requests == 5
+
+
+def test_a_version_failing_every_request_is_judged_on_its_errors():
+    t = SloTracker()
+    empty = {"0.1": 0, "+Inf": 0}
+    for address in ("stable", "canary"):
+        t.record(address, 0.0, parse_slo(vllm_page(empty, finished=0)))
+    t.record("stable", 5.0, parse_slo(vllm_page({"0.1": 40, "+Inf": 40}, finished=40)))
+    t.record("canary", 5.0, parse_slo(vllm_page(empty, finished=0, errors=30)))
+    stable, canary = t.stats(["stable"], since=0.0), t.stats(["canary"], since=0.0)
+    assert (canary.requests, canary.errors, canary.error_rate) == (30, 30, 1.0)
+    assert (stable.requests, stable.error_rate) == (40, 0.0)
+    breach = gate_breach(stable, canary, GateConfig(min_requests=20, error_rate_tolerance=0.05))
+    assert breach is not None and "error rate canary 100.00%" in breach

@@ -61,7 +61,8 @@ class RolloutState:
 
 @dataclass(frozen=True)
 class VersionStats:
-    """One version's telemetry over the current step window."""
+    """One version's telemetry over the current step window. ``requests`` counts every
+    request answered, finished or failed: the error rate's denominator."""
 
     requests: float
     errors: float = 0.0

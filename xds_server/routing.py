@@ -25,6 +25,9 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noq
     http_connection_manager_pb2,
 )
 from envoy.extensions.retry.host.previous_hosts.v3 import previous_hosts_pb2  # noqa: F401
+from envoy.extensions.retry.priority.previous_priorities.v3 import (  # noqa: F401
+    previous_priorities_config_pb2,
+)
 from google.protobuf import json_format
 
 from .config import Config, PoolConfig, parse_host_port
@@ -39,6 +42,8 @@ _FILTERS = "type.googleapis.com/envoy.extensions.filters"
 _JSON_CONTENT_TYPE = r"(?i)^application/json\s*(;.*)?$"
 _PREVIOUS_HOSTS = ("type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
                    "PreviousHostsPredicate")
+_PREVIOUS_PRIORITIES = ("type.googleapis.com/envoy.extensions.retry.priority.previous_priorities."
+                        "v3.PreviousPrioritiesConfig")
 
 
 CANARY_HEADER = "x-canary-version"
@@ -57,6 +62,13 @@ def _retry_policy(pool: PoolConfig) -> dict[str, Any]:
     }
     if retry.per_try_timeout_seconds > 0:
         policy["per_try_timeout"] = _seconds(retry.per_try_timeout_seconds)
+    if pool.fallback is not None:
+        # The aggregate cluster is [pool, fallback] as priorities. Until health checks or
+        # ejection notice that the pool's hosts are down, Envoy would pick the pool again for
+        # every retry; skipping the priorities already tried sends the retry to the fallback.
+        policy["retry_priority"] = {"name": "envoy.retry_priorities.previous_priorities",
+                                    "typed_config": {"@type": _PREVIOUS_PRIORITIES,
+                                                     "update_frequency": 1}}
     return policy
 
 

@@ -10,7 +10,8 @@ over the version's endpoints, and P95 by linear interpolation inside the bucket,
 Names read: vLLM ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds``
 (older ``vllm:time_per_output_token_seconds``), ``vllm:e2e_request_latency_seconds_count``
 (finished requests), and the API server's ``http_requests_total{status="5xx"|...}``
-(prometheus-fastapi-instrumentator, which vLLM uses) for errors; SGLang
+(prometheus-fastapi-instrumentator, which vLLM uses) for errors; a window's requests are the
+finished ones plus the errors (a failed request never finishes). SGLang
 ``sglang:time_to_first_token_seconds`` / ``sglang:inter_token_latency_seconds``.
 """
 
@@ -138,7 +139,10 @@ class SloTracker:
         for address in addresses:
             for key, value in self._window(address, since).items():
                 totals[key] = totals.get(key, 0.0) + value
-        return VersionStats(requests=totals.get(f"{PREFIX}requests", 0.0),
-                            errors=totals.get(f"{PREFIX}errors", 0.0),
+        # A 5xx never finishes (no e2e observation): the requests the error rate is over are
+        # the finished ones plus the failed ones, so a canary failing everything is judged.
+        errors = totals.get(f"{PREFIX}errors", 0.0)
+        return VersionStats(requests=totals.get(f"{PREFIX}requests", 0.0) + errors,
+                            errors=errors,
                             ttft_p95_s=quantile(0.95, _histogram(totals, "ttft")),
                             itl_p95_s=quantile(0.95, _histogram(totals, "itl")))

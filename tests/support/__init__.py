@@ -1,5 +1,5 @@
 """Test helpers: fake model servers (see ``backends``)."""
 
-from tests.support.backends import Backend, BackendFleet, MetricsMode
+from tests.support.backends import Backend, BackendFleet, MetricsMode, VllmPage, vllm_text
 
-__all__ = ["Backend", "BackendFleet", "MetricsMode"]
+__all__ = ["Backend", "BackendFleet", "MetricsMode", "VllmPage", "vllm_text"]
