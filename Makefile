@@ -22,7 +22,7 @@ test-fast: venv  ## unit tests only
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m xds_server.demo
+	$(PY) -m xds_server.simdemo
 
 lint: venv
 	$(VENV)/bin/ruff check xds_server weight_calculator tests benchmarks
