@@ -102,3 +102,42 @@ def test_a_tiny_run_produces_a_table_json_and_png_for_every_policy(tmp_path: Pat
     weights = doc["policies"]["trimtab"]["trimtab_weights"]
     assert weights, "trimtab's weights were sampled during its run"
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _fleet() -> Any:
+    from xds_server.bench.runner import Fleet, FleetServer
+    servers = [FleetServer("h100-0", "H100-80G", "127.0.0.1:1", 453776),
+               FleetServer("a100-0", "A100-40G", "127.0.0.1:2", 167184),
+               FleetServer("l4-0", "L4-24G", "127.0.0.1:3", 38128)]
+    return Fleet("m", servers)
+
+
+def _settings(tokens: int, factor: float) -> Any:
+    from xds_server.bench.cli import BenchSettings
+    return BenchSettings(fleet="f", workload="w", policies=POLICIES, duration=1, warmup=1,
+                         tail=1, rate=1, seed=1, weights="composite", interval=2, out="o",
+                         long_context_tokens=tokens, long_context_kv_factor=factor)
+
+
+def test_long_context_pool_takes_the_servers_whose_kv_holds_the_longest_requests() -> None:
+    from xds_server.bench.cli import long_context_for
+    from xds_server.loadgen.workload import load_workload
+    w = load_workload("examples/workload-mixed.yaml")  # longest request: 32000 + 512 tokens
+    assert long_context_for(_fleet(), w, _settings(0, 8)) is None
+    eight = long_context_for(_fleet(), w, _settings(8192, 8))
+    assert eight is not None and eight.addresses == ("127.0.0.1:1",)
+    assert eight.min_prompt_bytes == 4 * 8192
+    four = long_context_for(_fleet(), w, _settings(8192, 4))
+    assert four is not None and four.addresses == ("127.0.0.1:1", "127.0.0.1:2")
+
+
+def test_trimtab_config_with_a_long_context_class_validates() -> None:
+    from xds_server.bench.envoy_configs import LongContext, trimtab_config
+    from xds_server.config import parse_config
+    doc = trimtab_config(model="m", addresses=["127.0.0.1:1", "127.0.0.1:2"], xds_port=1,
+                         admin_port=2, listener_port=3,
+                         long_context=LongContext(32768, ("127.0.0.1:1",)))
+    config = parse_config(doc)
+    main, long_pool = config.pools
+    assert main.long_context is not None and main.long_context.pool == long_pool.name
+    assert [e.address for e in long_pool.endpoints] == ["127.0.0.1:1"]

@@ -39,6 +39,7 @@ from xds_server.loadgen.workload import Workload, WorkloadError, load_workload
 from xds_server.sim.fleet import FleetError, load_fleet
 
 from . import envoy_configs, report
+from .envoy_configs import LongContext
 from .runner import (
     BenchError,
     Counters,
@@ -52,6 +53,7 @@ from .runner import (
 )
 
 EXIT_BAD_INPUT = 2
+LONG_POOL_KV_FACTOR = 8.0
 DRAIN_TIMEOUT_S = 180.0
 PROGRESS_EVERY_S = 15.0
 
@@ -70,6 +72,8 @@ class BenchSettings:
     interval: float
     out: str
     composite: dict[str, Any] = field(default_factory=dict)
+    long_context_tokens: int = 0
+    long_context_kv_factor: float = LONG_POOL_KV_FACTOR
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -128,6 +132,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trimtab's telemetry interval in seconds (default 2)")
     p.add_argument("--composite", type=_overrides, default={},
                    help="override trimtab's composite knobs, e.g. queue_cap=8,ewma_alpha=1")
+    p.add_argument("--long-context-tokens", type=int, default=0, metavar="N",
+                   help="trimtab only: route prompts of >= N tokens (content-length >= 4*N "
+                        "bytes) to a long-context pool of the servers whose KV cache holds "
+                        "--long-context-kv-factor of the workload's longest requests; needs "
+                        "realistic_bodies in the workload (default 0: off)")
+    p.add_argument("--long-context-kv-factor", type=_positive, default=LONG_POOL_KV_FACTOR,
+                   metavar="F", help="how many of the workload's longest requests a server's "
+                                     f"KV cache must hold to join the long-context pool "
+                                     f"(default {LONG_POOL_KV_FACTOR:g})")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild bench.json/png and the table from --out's records; run nothing")
@@ -138,11 +151,18 @@ def settings_from(args: argparse.Namespace, w: Workload) -> BenchSettings:
     warmup = args.warmup if args.warmup is not None else max(5.0, 0.1 * args.duration)
     if warmup < 0 or args.tail < 0:
         raise ValueError("--warmup and --tail must be >= 0")
+    if args.long_context_tokens < 0:
+        raise ValueError("--long-context-tokens must be >= 0")
+    if args.long_context_tokens and not w.realistic_bodies:
+        raise ValueError("--long-context-tokens routes on content-length: the workload needs "
+                         "realistic_bodies: true")
     return BenchSettings(
         fleet=args.fleet, workload=args.workload, policies=tuple(args.policies),
         duration=args.duration, warmup=warmup, tail=args.tail, rate=args.rate or w.rate,
         seed=w.seed if args.seed is None else args.seed, weights=args.weights,
-        interval=args.interval, out=args.out, composite=dict(args.composite))
+        interval=args.interval, out=args.out, composite=dict(args.composite),
+        long_context_tokens=args.long_context_tokens,
+        long_context_kv_factor=args.long_context_kv_factor)
 
 
 def log(message: str) -> None:
@@ -169,10 +189,31 @@ async def _measure(stack: PolicyStack, w: Workload, s: BenchSettings) -> LoadRun
         await asyncio.gather(ticker, return_exceptions=True)
 
 
+def longest_request(w: Workload) -> int:
+    """The most tokens one request of ``w`` can hold in KV: prompt plus output."""
+    def top(d: Any) -> int:
+        return int(d.value if d.dist == "fixed" else d.max)
+    return max(top(c.prompt_tokens) + top(c.max_tokens) for c in w.classes)
+
+
+def long_context_for(fleet: Fleet, w: Workload, s: BenchSettings) -> LongContext | None:
+    """The long-context class: servers whose KV cache holds ``long_context_kv_factor`` of
+    the workload's longest requests (a smaller one holds one or two and queues the rest)."""
+    if not s.long_context_tokens:
+        return None
+    need = int(s.long_context_kv_factor * longest_request(w))
+    tokens = s.long_context_tokens
+    big = tuple(x.address for x in fleet.servers if x.kv_capacity_tokens >= need)
+    if not big:
+        raise BenchError(f"no server's KV cache holds {need} tokens for the long-context pool")
+    return LongContext(min_prompt_bytes=4 * tokens, addresses=big)
+
+
 def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> LoadRun:
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
-                        composite=s.composite)
+                        composite=s.composite,
+                        long_context=long_context_for(fleet, w, s))
     try:
         stack.start()
         log(f"{policy}: Envoy routes to {len(fleet.servers)} hosts via "
@@ -216,7 +257,9 @@ def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
                       "route_timeout": "0s", "idle_timeout": envoy_configs.IDLE_TIMEOUT,
                       "cswrr": envoy_configs.CSWRR_SETTINGS},
             "trimtab": {"lb_policy": "least_request", "weights": s.weights,
-                        "interval_seconds": s.interval, "composite": s.composite}}
+                        "interval_seconds": s.interval, "composite": s.composite,
+                        "long_context_tokens": s.long_context_tokens,
+                        "long_context_kv_factor": s.long_context_kv_factor}}
 
 
 def rereport(out: Path) -> dict[str, Any]:

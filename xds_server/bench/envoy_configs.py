@@ -24,6 +24,7 @@ are configured, so those stay idle in these runs.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from xds_server.envoy_process import render_bootstrap
@@ -142,14 +143,43 @@ def dynamic_bootstrap(*, xds_port: int, admin_port: int) -> dict[str, Any]:
                             node_id="bench-trimtab", node_cluster="bench")
 
 
+@dataclass(frozen=True)
+class LongContext:
+    """trimtab's prompt-size class for the run: requests of at least ``min_prompt_bytes``
+    (content-length) go to a second pool made of ``addresses`` only."""
+
+    min_prompt_bytes: int
+    addresses: tuple[str, ...]
+
+
+LONG_POOL = f"{CLUSTER}-long"
+
+
+def _pools(model: str, addresses: Sequence[str],
+           long_context: LongContext | None) -> list[dict[str, Any]]:
+    main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": "least_request",
+                            "endpoints": [{"address": a} for a in addresses]}
+    if long_context is None:
+        return [main]
+    main["long_context"] = {"pool": LONG_POOL,
+                            "min_prompt_bytes": long_context.min_prompt_bytes}
+    long_pool = {"name": LONG_POOL, "model": f"{model}#long-context",
+                 "lb_policy": "least_request",
+                 "endpoints": [{"address": a} for a in long_context.addresses]}
+    return [main, long_pool]
+
+
 def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin_port: int,
                    listener_port: int, weights: str = "composite", interval: float = 2.0,
-                   composite: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   composite: Mapping[str, Any] | None = None,
+                   long_context: LongContext | None = None) -> dict[str, Any]:
     """``trimtab serve`` config: one pool of the fleet, least request on trimtab's weights.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
     (the product's 6 s at the default 2 s tick). ``composite`` overrides knobs of the
-    composite policy (``weights.composite``), for tuning experiments.
+    composite policy (``weights.composite``), for tuning experiments. With ``long_context``,
+    long prompts go to a second pool (trimtab's prompt-size classes, a ``content-length``
+    range match in Envoy).
     """
     weights_section: dict[str, Any] = {"policy": weights}
     if composite:
@@ -160,6 +190,5 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
         "listener": {"address": f"127.0.0.1:{listener_port}"},
         "telemetry": {"interval_seconds": interval, "stale_after_seconds": 3 * interval},
         "weights": weights_section,
-        "pools": [{"name": CLUSTER, "model": model, "lb_policy": "least_request",
-                   "endpoints": [{"address": a} for a in addresses]}],
+        "pools": _pools(model, addresses, long_context),
     }

@@ -238,11 +238,13 @@ class PolicyStack:
 
     def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "composite",
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
-                 composite: dict[str, Any] | None = None) -> None:
+                 composite: dict[str, Any] | None = None,
+                 long_context: envoy_configs.LongContext | None = None) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
         self.policy, self.fleet, self.workdir = policy, fleet, workdir
         self.weights, self.interval, self.composite = weights, interval, composite or {}
+        self.long_context = long_context
         self.listener_port = listener_port or free_port()
         self.envoy_admin_port = free_port()
         self.trimtab_admin_port = trimtab_admin_port or free_port()
@@ -287,7 +289,8 @@ class PolicyStack:
         config = envoy_configs.trimtab_config(
             model=self.fleet.model, addresses=self.fleet.addresses, xds_port=xds_port,
             admin_port=self.trimtab_admin_port, listener_port=self.listener_port,
-            weights=self.weights, interval=self.interval, composite=self.composite)
+            weights=self.weights, interval=self.interval, composite=self.composite,
+            long_context=self.long_context)
         path = self.workdir / "trimtab.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.trimtab = ChildProcess("trimtab serve", cli_command(
