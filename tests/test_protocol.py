@@ -271,3 +271,70 @@ def test_delta_explicit_wildcard_subscription():
     d.receive(delta(T.ENDPOINT, sub=["*"]))
     [resp] = d.responses(snapshot(BASE))
     assert {r.name for r in resp.resources} == {"a", "b"}
+
+
+# ---- Cost: unchanged types are skipped, changed names only are looked at ---------------------
+
+def _published(*weights: dict) -> list:
+    """Snapshots as the cache publishes them: each records what changed since the previous."""
+    out: list = []
+    for w in weights:
+        out.append(snapshot(w).reusing(out[-1] if out else None))
+    return out
+
+
+def _evaluated_types(machine, snap) -> tuple[list[str], list]:
+    """Which types `responses(snap)` evaluates, and its responses."""
+    seen: list[str] = []
+    respond = machine._respond
+
+    def spy(st, snapshot_):
+        seen.append(st.type_url)
+        return respond(st, snapshot_)
+
+    machine._respond = spy
+    try:
+        return seen, machine.responses(snap)
+    finally:
+        del machine._respond
+
+
+def _stream(api: str):
+    """A machine, its request builder, and the EDS subscription to a, b, c in its dialect."""
+    if api == "sotw":
+        return SotwStream(), sotw, {"names": ["a", "b", "c"]}, {"names": ["a", "b", "c"]}
+    return DeltaStream(), delta, {"sub": ["a", "b", "c"]}, {}
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_snapshot_changing_only_eds_evaluates_only_eds_and_acks_cost_nothing(api):
+    s0, s1 = _published(BASE, changed(BASE, "a", "10.0.0.1:80", 7))
+    machine, request, subscribe, ack = _stream(api)
+    machine.receive(request(T.CLUSTER))
+    machine.receive(request(T.ENDPOINT, **subscribe))
+    for resp in machine.responses(s0):
+        machine.receive(request(resp.type_url, nonce=resp.nonce,
+                                **(ack if resp.type_url == T.ENDPOINT else {})))
+    assert _evaluated_types(machine, s0) == ([], [])
+    assert machine.types[T.ENDPOINT].changed_names(s1) == {"a"}  # the only name looked at
+    seen, [resp] = _evaluated_types(machine, s1)
+    assert seen == [T.ENDPOINT] and [r.name for r in resp.resources] == ["a"]
+    machine.receive(request(T.ENDPOINT, nonce=resp.nonce, **ack))
+    assert _evaluated_types(machine, s1) == ([], [])
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_snapshots_published_while_a_response_is_in_flight_all_reach_the_client(api):
+    three = {**BASE, "c": {"10.0.2.1:80": 1}}
+    one = changed(three, "a", "10.0.0.1:80", 7)
+    two = {k: v for k, v in changed(one, "b", "10.0.1.1:80", 8).items() if k != "c"}
+    s0, s1, s2 = _published(three, one, two)
+    machine, request, subscribe, ack = _stream(api)
+    machine.receive(request(T.ENDPOINT, **subscribe))
+    [first] = machine.responses(s0)
+    assert machine.responses(s1) == [] and machine.responses(s2) == []  # in flight: they wait
+    machine.receive(request(T.ENDPOINT, nonce=first.nonce, **ack))
+    [second] = machine.responses(s2)  # s2 changed b and c since s1; s1 had changed a
+    assert {r.name: r.version for r in second.resources} == {
+        name: s2.of_type(T.ENDPOINT)[name].version for name in ("a", "b")}
+    assert second.removed == (("c",) if api == "delta" else ())

@@ -13,7 +13,13 @@ from tests.xds_fixtures import BASE, cla, cluster, listener, routes, snapshot
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
 from xds_server.protocol import Response
-from xds_server.snapshot import InconsistentSnapshotError, build_snapshot
+from xds_server.snapshot import (
+    EMPTY_TYPE_VERSION,
+    InconsistentSnapshotError,
+    TypeChange,
+    build_snapshot,
+    type_version,
+)
 from xds_server.transport import encode_delta, encode_sotw
 
 
@@ -98,3 +104,33 @@ def test_hand_encoded_responses_parse_as_the_real_messages():
     assert [(r.name, r.version) for r in delta.resources] == [(r.name, r.version) for r in resources]
     assert list(delta.removed_resources) == ["gone"] and delta.nonce == "7"
     assert delta.system_version_info == "v1"
+
+
+def test_type_versions_and_subsets_are_precomputed_and_shared():
+    snap = snapshot(BASE)
+    for type_url in (T.CLUSTER, T.ENDPOINT, T.LISTENER, T.ROUTE):
+        assert snap.type_version_of(type_url) == type_version(snap.of_type(type_url))
+    assert snap.type_version_of("type.googleapis.com/unknown") == EMPTY_TYPE_VERSION
+    wanted, version = snap.subset(T.ENDPOINT, frozenset({"b", "a", "ghost"}))
+    assert list(wanted) == ["a", "b"] and version == type_version(wanted)
+    assert snap.subset(T.ENDPOINT, frozenset({"a", "b", "ghost"}))[0] is wanted  # computed once
+    only_b, only_b_version = snap.subset(T.ENDPOINT, frozenset({"b"}))
+    assert list(only_b) == ["b"] and only_b_version == type_version(only_b) != version
+
+
+def test_a_published_snapshot_records_what_changed_per_type():
+    three = {**BASE, "c": {"10.0.2.1:80": 1}}
+    before = snapshot(three)
+    after = snapshot({"a": {"10.0.0.1:80": 1}, "b": three["b"], "d": {"10.0.3.1:80": 1}})
+    cache = SnapshotCache()
+    cache.set_snapshot(before)
+    cache.set_snapshot(after)
+    published = cache.snapshot
+    assert published is not None and published.version == after.version
+    assert published.changes[T.ENDPOINT] == TypeChange(before.versions[T.ENDPOINT],
+                                                       frozenset({"a", "c", "d"}))
+    assert published.changes[T.CLUSTER].names == {"c", "d"}
+    assert published.changes[T.LISTENER] == TypeChange(before.versions[T.LISTENER], frozenset())
+    assert before.changes == {} and after.changes == {}  # unpublished: nothing known
+    gone = build_snapshot({T.CLUSTER: [cluster("x")], T.ENDPOINT: [cla("x", {})]}).reusing(before)
+    assert gone.changes[T.ROUTE] == TypeChange(before.versions[T.ROUTE], frozenset({"routes"}))

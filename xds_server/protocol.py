@@ -10,20 +10,27 @@ newer snapshots for that type wait, and are coalesced to the latest when the rep
 NACKs: the versions a client rejected are remembered, and never sent to it again; the next
 *different* version is. For SotW Cluster/Listener (whole-state types) the rejected unit is the
 whole set; for every other case it is the individual resource version.
+
+Cost per wake: a type is evaluated only when the snapshot's version of it differs from the one
+it was last evaluated at (or its subscription changed, or an answer is forced); evaluating it
+then looks only at the resources that changed since, when the snapshot records them (see
+`Snapshot.changes`). A new snapshot that changed only EDS thus costs every stream one EDS
+evaluation over the changed CLAs, and the ACKs that follow cost nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.discovery.v3 import discovery_pb2
 
 from . import type_urls
-from .snapshot import Resource, Snapshot, type_version
+from .snapshot import Resource, Snapshot
 
 WILDCARD = "*"
+_ADS_RANK = {type_url: i for i, type_url in enumerate(type_urls.ADS_ORDER)}
 
 
 class ProtocolError(Exception):
@@ -83,6 +90,10 @@ class Rejections:
     def resource_rejected(self, type_url: str, name: str, version: str) -> bool:
         return version in self.resources.get(type_url, {}).get(name, ())
 
+    def of_type(self, type_url: str) -> Mapping[str, set[str]]:
+        """name -> rejected versions, for `type_url` (read-only use)."""
+        return self.resources.get(type_url, {})
+
     def record(self, type_url: str, rejected: Mapping[str, str], state_version: str | None) -> None:
         by_name = self.resources.setdefault(type_url, {})
         for name, version in rejected.items():
@@ -95,7 +106,7 @@ class Rejections:
 class TypeState:
     type_url: str
     wildcard: bool = False
-    names: set[str] = field(default_factory=set)
+    names: frozenset[str] = frozenset()
     sent: dict[str, str] = field(default_factory=dict)  # name -> version the client was sent/holds
     sent_state: str | None = None  # SotW whole-state version last sent
     pending_nonce: str | None = None  # awaiting ACK/NACK
@@ -104,12 +115,44 @@ class TypeState:
     last_nonce: str = ""
     force: bool = False  # the client needs an answer even if nothing changed
     acked_version: str = ""
+    # The snapshot's version of this type when it was last evaluated; None: evaluate in full.
+    # Reset whenever the subscription or `sent` changes other than by an evaluation.
+    evaluated: str | None = None
 
-    def wanted(self, snapshot: Snapshot) -> dict[str, Resource]:
-        have = snapshot.of_type(self.type_url)
+    def wanted(self, snapshot: Snapshot) -> Mapping[str, Resource]:
+        """The subscribed resources, in name order (shared: do not modify)."""
         if self.wildcard:
-            return dict(have)
-        return {name: have[name] for name in sorted(self.names) if name in have}
+            return snapshot.of_type(self.type_url)
+        return snapshot.subset(self.type_url, self.names)[0]
+
+    def wanted_version(self, snapshot: Snapshot) -> str:
+        """`type_version(self.wanted(snapshot))`, without computing it per stream."""
+        if self.wildcard:
+            return snapshot.type_version_of(self.type_url)
+        return snapshot.subset(self.type_url, self.names)[1]
+
+    def up_to_date(self, snapshot: Snapshot) -> bool:
+        """Evaluating now would give what the last evaluation gave: nothing to send."""
+        return not self.force and self.evaluated == snapshot.type_version_of(self.type_url)
+
+    def changed_names(self, snapshot: Snapshot) -> frozenset[str] | None:
+        """The names that changed since the last evaluation, or None if unknown (then every
+        wanted resource must be looked at)."""
+        if self.force or self.evaluated is None:
+            return None
+        change = snapshot.changes.get(self.type_url)
+        if change is None or change.since != self.evaluated:
+            return None
+        return change.names
+
+    def wanted_changes(self, snapshot: Snapshot) -> Iterable[tuple[str, Resource]]:
+        """The wanted resources whose version may differ from `sent`, in name order."""
+        names = self.changed_names(snapshot)
+        if names is None:
+            return self.wanted(snapshot).items()
+        have = snapshot.of_type(self.type_url)
+        return [(name, have[name]) for name in sorted(names)
+                if name in have and (self.wildcard or name in self.names)]
 
 
 def _error_detail(status: object) -> str:
@@ -167,9 +210,27 @@ class _Stream:
 
     def _ready_types(self) -> list[TypeState]:
         """Requested types with no response in flight, in ADS order (CDS, EDS, LDS, RDS)."""
-        rank = {t: i for i, t in enumerate(type_urls.ADS_ORDER)}
         ready = [st for st in self.types.values() if st.pending_nonce is None]
-        return sorted(ready, key=lambda st: (rank.get(st.type_url, len(rank)), st.type_url))
+        return sorted(ready, key=lambda st: (_ADS_RANK.get(st.type_url, len(_ADS_RANK)),
+                                             st.type_url))
+
+    def responses(self, snapshot: Snapshot | None) -> list[Response]:
+        """What must be sent now. A type whose snapshot version is the one it was last
+        evaluated at is skipped: rejections only grow, so nothing new would be sent."""
+        if snapshot is None:
+            return []
+        out = []
+        for st in self._ready_types():
+            if st.up_to_date(snapshot):
+                continue
+            response = self._respond(st, snapshot)
+            st.evaluated = snapshot.type_version_of(st.type_url)
+            if response is not None:
+                out.append(response)
+        return out
+
+    def _respond(self, st: TypeState, snapshot: Snapshot) -> Response | None:
+        raise NotImplementedError
 
 
 class SotwStream(_Stream):
@@ -203,53 +264,43 @@ class SotwStream(_Stream):
             return []
         for gone in st.names - names:
             st.sent.pop(gone, None)
-        st.wildcard, st.names = wildcard, names
-        return [Subscription(st.type_url, wildcard, frozenset(names))]
+        st.wildcard, st.names, st.evaluated = wildcard, frozenset(names), None
+        return [Subscription(st.type_url, wildcard, st.names)]
 
     def _initial(self, st: TypeState, client_version: str) -> None:
         """A request without nonce: a new stream or a re-subscription. It gets an answer unless
         the version it already holds (after a reconnect) is the one we would send."""
         st.pending_nonce, st.pending, st.pending_state = None, {}, None
         st.sent, st.sent_state, st.force = {}, None, True
-        st.acked_version = client_version
-
-    def responses(self, snapshot: Snapshot | None) -> list[Response]:
-        if snapshot is None:
-            return []
-        out = []
-        for st in self._ready_types():
-            response = self._respond(st, snapshot)
-            if response is not None:
-                out.append(response)
-        return out
+        st.acked_version, st.evaluated = client_version, None
 
     def _respond(self, st: TypeState, snapshot: Snapshot) -> Response | None:
-        wanted = st.wanted(snapshot)
-        version = type_version(wanted)
+        version = st.wanted_version(snapshot)
         if st.force and st.acked_version and st.acked_version == version:
             st.force = False  # reconnected client already holds exactly this
-            st.sent = {name: res.version for name, res in wanted.items()}
+            st.sent = {name: res.version for name, res in st.wanted(snapshot).items()}
             st.sent_state = version
             return None
         if st.type_url in type_urls.FULL_STATE_TYPES:
-            return self._respond_full(st, wanted, version)
-        return self._respond_partial(st, wanted, version)
+            return self._respond_full(st, snapshot, version)
+        return self._respond_partial(st, snapshot, version)
 
-    def _respond_full(self, st: TypeState, wanted: dict[str, Resource],
-                      version: str) -> Response | None:
+    def _respond_full(self, st: TypeState, snapshot: Snapshot, version: str) -> Response | None:
         if version in self.rejections.states.get(st.type_url, ()):
             return None
         if not st.force and version == st.sent_state:
             return None
+        wanted = st.wanted(snapshot)
         st.sent = {name: res.version for name, res in wanted.items()}
         st.sent_state = version
         return self._emit(st, version, list(wanted.values()), state=version)
 
-    def _respond_partial(self, st: TypeState, wanted: dict[str, Resource],
+    def _respond_partial(self, st: TypeState, snapshot: Snapshot,
                          version: str) -> Response | None:
-        changed = [res for name, res in wanted.items()
+        rejected = self.rejections.of_type(st.type_url)
+        changed = [res for name, res in st.wanted_changes(snapshot)
                    if (st.force or st.sent.get(name) != res.version)
-                   and not self.rejections.resource_rejected(st.type_url, name, res.version)]
+                   and res.version not in rejected.get(name, ())]
         if not changed:
             st.force = False
             return None
@@ -299,26 +350,15 @@ class DeltaStream(_Stream):
         for name in dropped:
             if not st.wildcard:
                 st.sent.pop(name, None)
-        return [Subscription(st.type_url, st.wildcard, frozenset(st.names))]
-
-    def responses(self, snapshot: Snapshot | None) -> list[Response]:
-        if snapshot is None:
-            return []
-        out = []
-        for st in self._ready_types():
-            response = self._respond(st, snapshot)
-            if response is not None:
-                out.append(response)
-        return out
+        st.evaluated = None
+        return [Subscription(st.type_url, st.wildcard, st.names)]
 
     def _respond(self, st: TypeState, snapshot: Snapshot) -> Response | None:
-        have = snapshot.of_type(st.type_url)
-        wanted = st.wanted(snapshot)
-        changed = [res for name, res in wanted.items()
+        rejected = self.rejections.of_type(st.type_url)
+        changed = [res for name, res in st.wanted_changes(snapshot)
                    if st.sent.get(name) != res.version
-                   and not self.rejections.resource_rejected(st.type_url, name, res.version)]
-        removed = tuple(sorted(name for name in st.sent
-                               if name not in have and (st.wildcard or name in st.names)))
+                   and res.version not in rejected.get(name, ())]
+        removed = self._removed(st, snapshot)
         if not changed and not removed and not st.force:
             return None
         for res in changed:
@@ -326,3 +366,12 @@ class DeltaStream(_Stream):
         for name in removed:
             del st.sent[name]
         return self._emit(st, snapshot.versions.get(st.type_url, ""), changed, removed)
+
+    @staticmethod
+    def _removed(st: TypeState, snapshot: Snapshot) -> tuple[str, ...]:
+        """Subscribed names the client holds that the snapshot no longer has, sorted."""
+        have = snapshot.of_type(st.type_url)
+        names = st.changed_names(snapshot)
+        held = st.sent if names is None else [name for name in names if name in st.sent]
+        return tuple(sorted(name for name in held
+                            if name not in have and (st.wildcard or name in st.names)))

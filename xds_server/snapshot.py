@@ -8,6 +8,10 @@
   and shared by every stream that sends that version.
 * `build_snapshot` refuses an inconsistent set (a dangling EDS/RDS/cluster reference) with
   `InconsistentSnapshotError`; the cache then keeps the last good snapshot.
+* Each type's resources are in name order. A published snapshot also records, per type, which
+  names changed since the one it replaced (`changes`), so that a stream already up to date with
+  that one looks only at those names; what a subscription to some names wants, and its version,
+  is computed once per snapshot (`subset`) and shared by every stream with that subscription.
 """
 
 from __future__ import annotations
@@ -86,27 +90,80 @@ def type_version(resources: Mapping[str, Resource]) -> str:
     return content_hash(*(f"{name}={res.version}".encode() for name, res in sorted(resources.items())))
 
 
+EMPTY_TYPE_VERSION = type_version({})
+MAX_SUBSETS = 1024  # distinct (type, names) subscriptions memoized per snapshot
+_NO_RESOURCES: Mapping[str, Resource] = MappingProxyType({})
+
+
+@dataclass(frozen=True)
+class TypeChange:
+    """What changed in one type from the previous snapshot to this one."""
+
+    since: str  # the previous snapshot's version of the type
+    names: frozenset[str]  # resources added, removed or with a new version
+
+
 @dataclass(frozen=True)
 class Snapshot:
-    resources: Mapping[str, Mapping[str, Resource]]
+    resources: Mapping[str, Mapping[str, Resource]]  # type -> name -> resource, in name order
     versions: Mapping[str, str]
     version: str
+    changes: Mapping[str, TypeChange] = field(  # since the snapshot this one replaced
+        default_factory=lambda: MappingProxyType({}), compare=False)
+    _subsets: dict[tuple[str, frozenset[str]], tuple[Mapping[str, Resource], str]] = field(
+        default_factory=dict, init=False, repr=False, compare=False)
 
     def of_type(self, type_url: str) -> Mapping[str, Resource]:
-        return self.resources.get(type_url, MappingProxyType({}))
+        return self.resources.get(type_url, _NO_RESOURCES)
+
+    def type_version_of(self, type_url: str) -> str:
+        """`type_version` of all the resources of `type_url` (precomputed)."""
+        return self.versions.get(type_url, EMPTY_TYPE_VERSION)
+
+    def subset(self, type_url: str, names: frozenset[str]) -> tuple[Mapping[str, Resource], str]:
+        """The resources of `type_url` among `names`, in name order, and their `type_version`:
+        computed once per snapshot and name set, shared by every stream subscribing to it."""
+        key = (type_url, names)
+        found = self._subsets.get(key)
+        if found is None:
+            have = self.of_type(type_url)
+            wanted = {name: have[name] for name in sorted(names) if name in have}
+            found = (MappingProxyType(wanted), type_version(wanted))
+            if len(self._subsets) < MAX_SUBSETS:
+                self._subsets[key] = found
+        return found
 
     def reusing(self, previous: Snapshot | None) -> Snapshot:
         """Return an equal snapshot that reuses `previous`'s Resource objects where the
-        versions match, so their encoded bytes (already cached) are shared, not re-encoded."""
+        versions match, so their encoded bytes (already cached) are shared, not re-encoded,
+        and that records what changed since `previous` (`changes`)."""
         if previous is None:
             return self
         merged: dict[str, Mapping[str, Resource]] = {}
-        for type_url, items in self.resources.items():
-            old = previous.of_type(type_url)
-            merged[type_url] = MappingProxyType({
-                name: old[name] if name in old and old[name].version == res.version else res
-                for name, res in items.items()})
-        return Snapshot(MappingProxyType(merged), self.versions, self.version)
+        changes: dict[str, TypeChange] = {}
+        for type_url in [*self.resources, *(t for t in previous.resources if t not in self.resources)]:
+            items, changed = _reuse(self.of_type(type_url), previous.of_type(type_url))
+            if type_url in self.resources:
+                merged[type_url] = MappingProxyType(items)
+            changes[type_url] = TypeChange(previous.type_version_of(type_url), frozenset(changed))
+        return Snapshot(MappingProxyType(merged), self.versions, self.version,
+                        MappingProxyType(changes))
+
+
+def _reuse(items: Mapping[str, Resource], old: Mapping[str, Resource]
+           ) -> tuple[dict[str, Resource], set[str]]:
+    """`items` with `old`'s equal-version objects in place, and the names that differ."""
+    kept: dict[str, Resource] = {}
+    changed: set[str] = set()
+    for name, res in items.items():
+        before = old.get(name)
+        if before is not None and before.version == res.version:
+            kept[name] = before
+        else:
+            kept[name] = res
+            changed.add(name)
+    changed.update(name for name in old if name not in items)
+    return kept, changed
 
 
 def _hcm_route_names(listener: listener_pb2.Listener) -> list[str]:
