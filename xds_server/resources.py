@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.core.v3 import config_source_pb2, health_check_pb2
@@ -15,7 +16,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
-from .config import EndpointConfig, PoolConfig, parse_host_port
+from .config import EndpointConfig, HostPort, PoolConfig, parse_host_port
 
 HEALTHY = "HEALTHY"
 DRAINING = "DRAINING"
@@ -46,6 +47,9 @@ class EndpointSetting:
 
     weight: int
     health: str = HEALTHY
+
+
+_UNWEIGHED = EndpointSetting(1)  # endpoints missing from the settings
 
 
 def _circuit_breakers(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
@@ -90,6 +94,10 @@ def _health_check(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
     check = cluster.health_checks.add()
     check.timeout.FromMilliseconds(int(config.timeout_seconds * 1000))
     check.interval.FromMilliseconds(int(config.interval_seconds * 1000))
+    # Envoy checks a cluster that has not carried traffic yet only every 60 s by default, and
+    # keeps that timer armed once traffic starts: a host that dies early goes unnoticed for up
+    # to a minute. The configured interval is the interval, traffic or not.
+    check.no_traffic_interval.FromMilliseconds(int(config.interval_seconds * 1000))
     check.unhealthy_threshold.value = config.unhealthy_threshold
     check.healthy_threshold.value = config.healthy_threshold
     check.http_health_check.path = config.path
@@ -137,6 +145,12 @@ def build_clusters(pool: PoolConfig) -> list[cluster_pb2.Cluster]:
     return clusters
 
 
+@lru_cache(maxsize=1 << 18)
+def _host_port(address: str) -> HostPort:
+    """`parse_host_port`, once per address rather than per endpoint per tick."""
+    return parse_host_port(address)
+
+
 def build_load_assignment(cluster_name: str, endpoints: Sequence[EndpointConfig],
                           settings: Mapping[str, EndpointSetting]
                           ) -> endpoint_pb2.ClusterLoadAssignment:
@@ -148,9 +162,9 @@ def build_load_assignment(cluster_name: str, endpoints: Sequence[EndpointConfig]
     locality.locality.zone = "default"
     locality.load_balancing_weight.value = 1
     for endpoint in endpoints:
-        setting = settings.get(endpoint.address, EndpointSetting(1))
+        setting = settings.get(endpoint.address, _UNWEIGHED)
         health = DRAINING if endpoint.drain else setting.health
-        host_port = parse_host_port(endpoint.address)
+        host_port = _host_port(endpoint.address)
         lb = locality.lb_endpoints.add()
         lb.endpoint.address.socket_address.address = host_port.host
         lb.endpoint.address.socket_address.port_value = host_port.port
