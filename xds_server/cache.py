@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
+from .convergence import Convergence
 from .protocol import Rejections
 from .snapshot import Snapshot
 
@@ -20,6 +21,7 @@ class SnapshotCache:
         self._snapshot: Snapshot | None = None
         self._watchers: set[Callable[[], None]] = set()
         self._rejections: dict[str, Rejections] = {}
+        self.convergence = Convergence()  # stamps of EDS versions, for the ACK delay histogram
         self.generation = 0
 
     @property

@@ -117,12 +117,13 @@ class Controller:
 
     async def tick(self) -> None:
         started = time.perf_counter()
+        read_at = time.monotonic()  # convergence is measured from here to the ACK
         self.ingest(await self.collect())
         if self.rollouts.pools:
             self.rollouts.tick(self.slo, self.clock())
             self.set_canary_percent(self.rollouts.percents())
         self.autoscaler.tick(self.weights, self.slo, self.clock())
-        self.publish()
+        self.publish(read_at)
         self.stats.ticks += 1
         self.stats.last_tick_at = self.clock()
         for hook in self.on_tick:
@@ -188,9 +189,11 @@ class Controller:
             mutate(messages)
         return messages
 
-    def publish(self) -> bool:
+    def publish(self, read_at: float | None = None) -> bool:
         """Build, check and publish a snapshot. An inconsistent one is refused (our fault):
-        logged, counted, and the last good snapshot stays in place."""
+        logged, counted, and the last good snapshot stays in place. ``read_at`` (monotonic)
+        is when the telemetry behind it was read; it stamps the changed EDS resources for
+        the convergence histogram."""
         try:
             snapshot = build_snapshot(self.resources())
         except InconsistentSnapshotError as exc:
@@ -203,6 +206,7 @@ class Controller:
         if not self.cache.set_snapshot(snapshot):
             return False
         self.stats.published += 1
+        self.cache.convergence.published(previous, snapshot, read_at)
         metrics.SNAPSHOTS.inc()
         log.info("published snapshot %s (%s)", snapshot.version, _describe_change(previous, snapshot))
         return True

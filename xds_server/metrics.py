@@ -8,6 +8,9 @@ _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 
                     2.5, 5.0)
 
 STREAMS = Gauge("trimtab_xds_streams", "Open xDS streams", ["api"])
+SUBSCRIPTIONS = Gauge("trimtab_xds_subscriptions",
+                      "Resource types requested on open xDS streams (streams by type)",
+                      ["type", "api"])
 PUSHES = Counter("trimtab_xds_pushes_total", "xDS responses sent", ["type", "api"])
 PUSH_RESOURCES = Counter("trimtab_xds_pushed_resources_total",
                          "Resources carried by xDS responses", ["type"])
@@ -40,3 +43,9 @@ STALE_ENDPOINTS = Gauge("trimtab_stale_endpoints", "Endpoints with stale telemet
 POOL_FAIL_STATIC = Gauge("trimtab_pool_fail_static",
                          "1 while a pool holds its last weights because all telemetry is lost",
                          ["pool"])
+CONVERGENCE_SECONDS = Histogram(
+    "trimtab_convergence_seconds",
+    "From the telemetry read that changed a ClusterLoadAssignment to the client's ACK of it "
+    "(once per stream and resource version)", ["api"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
+             30.0))

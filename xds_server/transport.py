@@ -3,6 +3,11 @@
 Responses leave as pre-encoded bytes (identity serializer): each resource is encoded once per
 version (see `snapshot.Resource`) and shared by every stream; only version and nonce are added
 per response. Requests are parsed with the generated upb classes.
+
+Per push, the labelled metric children are looked up once per (type, API). Each push gets one
+info line while at most `PER_PUSH_LOG_STREAMS` streams are open; above that, per-push lines go to
+debug and info summarises the pushes per type once per `PushLog` window (1 s), so 1,000 streams
+make a handful of lines per tick, not 1,000.
 """
 
 from __future__ import annotations
@@ -12,7 +17,8 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import grpc
@@ -20,6 +26,7 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from . import metrics, type_urls, wire
 from .cache import SnapshotCache
+from .convergence import StreamConvergence
 from .protocol import Ack, DeltaStream, Event, Nack, ProtocolError, Response, SotwStream, StaleNonce
 from .security import Denied, StreamAccess, XdsGuard
 
@@ -54,6 +61,76 @@ def encode_delta(response: Response) -> bytes:
                                response.type_url, response.nonce, response.removed)
 
 
+PER_PUSH_LOG_STREAMS = 64  # above this many open streams, pushes are logged in summary
+
+
+@dataclass(frozen=True)
+class _PushMetrics:
+    """The push metrics' labelled children for one (type, API)."""
+
+    pushes: Any
+    resources: Any
+    bytes: Any
+    seconds: Any
+
+
+@lru_cache(maxsize=64)
+def _push_metrics(kind: str, api: str) -> _PushMetrics:
+    return _PushMetrics(metrics.PUSHES.labels(type=kind, api=api),
+                        metrics.PUSH_RESOURCES.labels(type=kind),
+                        metrics.PUSH_BYTES.labels(type=kind),
+                        metrics.PUSH_SECONDS.labels(type=kind))
+
+
+@dataclass
+class _PushTally:
+    responses: int = 0
+    resources: int = 0
+    removed: int = 0
+    bytes: int = 0
+    versions: set[str] = field(default_factory=set)
+
+
+class PushLog:
+    """The info-level push log: per (type, API), one line per window summing its pushes."""
+
+    MAX_VERSIONS = 3  # versions named per line
+
+    def __init__(self, window_s: float = 1.0) -> None:
+        self.window_s = window_s
+        self._tallies: dict[tuple[str, str], _PushTally] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def add(self, kind: str, api: str, response: Response, size: int) -> None:
+        tally = self._tallies.get((kind, api))
+        if tally is None:
+            tally = self._tallies[(kind, api)] = _PushTally()
+        tally.responses += 1
+        tally.resources += len(response.resources)
+        tally.removed += len(response.removed)
+        tally.bytes += size
+        if len(tally.versions) <= self.MAX_VERSIONS:
+            tally.versions.add(response.version)
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:  # first push, or a new event loop: the old timer is gone
+            self._loop, self._timer = loop, None
+        if self._timer is None:
+            self._timer = loop.call_later(self.window_s, self.flush)
+
+    def flush(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        for (kind, api), tally in sorted(self._tallies.items()):
+            versions = sorted(tally.versions)[:self.MAX_VERSIONS]
+            more = " and more" if len(tally.versions) > self.MAX_VERSIONS else ""
+            log.info("pushed %s (%s) %d times within %.1f s: %d resources, %d removed, "
+                     "%d bytes; versions %s%s", kind, api, tally.responses, self.window_s,
+                     tally.resources, tally.removed, tally.bytes, ", ".join(versions), more)
+        self._tallies.clear()
+
+
 @dataclass(eq=False)
 class StreamInfo:
     """What the admin API shows about a connected stream."""
@@ -64,6 +141,8 @@ class StreamInfo:
     machine: SotwStream | DeltaStream
     access: StreamAccess | None = None  # set when the servicer has a guard
     wake: asyncio.Event | None = None
+    convergence: StreamConvergence | None = None
+    types: set[str] = field(default_factory=set)  # type URLs counted in SUBSCRIPTIONS
 
     @property
     def node_id(self) -> str:
@@ -81,11 +160,13 @@ class XdsServicer:
         self.closing = False
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
+        self.push_log = PushLog()
 
     def close_streams(self) -> None:
         """Shutting down: end every open stream now (clients reconnect, e.g. to a replica)
         instead of letting the server wait out its grace period on streams that never end."""
         self.closing = True
+        self.push_log.flush()
         for info in list(self.streams):
             if info.wake is not None:
                 info.wake.set()
@@ -111,7 +192,8 @@ class XdsServicer:
             machine: SotwStream | DeltaStream = (
                 SotwStream(type_url) if api == "sotw" else DeltaStream(type_url))
             info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine,
-                              self.guard.open(context) if self.guard is not None else None)
+                              self.guard.open(context) if self.guard is not None else None,
+                              convergence=StreamConvergence(self.cache.convergence, api))
             await self._serve(info, requests, context)
         return handle
 
@@ -136,6 +218,9 @@ class XdsServicer:
             reader.cancel()
             self.streams.discard(info)
             metrics.STREAMS.labels(api=info.api).dec()
+            for type_url in info.types:
+                metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url),
+                                             api=info.api).dec()
 
     @staticmethod
     async def _read(requests: AsyncIterator, inbox: deque, wake: asyncio.Event) -> None:
@@ -178,6 +263,9 @@ class XdsServicer:
             self.guard.admit(info.access, machine.node)
         if not had_node and machine.node is not None:
             machine.rejections = self.cache.rejections_for(machine.node.id)
+        for type_url in machine.types.keys() - info.types:
+            info.types.add(type_url)
+            metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url), api=info.api).inc()
         for event in events:
             self._observe(info, event)
 
@@ -187,8 +275,12 @@ class XdsServicer:
             metrics.NACKS.labels(type=kind).inc()
             log.warning("NACK from node %r for %s nonce %s (rejected %s): %s", info.node_id, kind,
                         event.nonce, dict(event.rejected), event.detail[:2000])
+            if info.convergence is not None:
+                info.convergence.nacked(event.nonce)
         elif isinstance(event, Ack):
             metrics.ACKS.labels(type=kind).inc()
+            if info.convergence is not None:
+                info.convergence.acked(event.type_url, event.nonce, time.monotonic())
         elif isinstance(event, StaleNonce):
             metrics.STALE_NONCES.labels(type=kind).inc()
         if self.on_event is not None:
@@ -199,13 +291,27 @@ class XdsServicer:
         started = time.perf_counter()
         data = encode_sotw(response) if info.api == "sotw" else encode_delta(response)
         await context.write(data)
+        if info.convergence is not None:
+            info.convergence.sent(response.type_url, response.nonce, response.resources)
         kind = type_urls.short_name(response.type_url)
-        metrics.PUSHES.labels(type=kind, api=info.api).inc()
-        metrics.PUSH_RESOURCES.labels(type=kind).inc(len(response.resources))
-        metrics.PUSH_BYTES.labels(type=kind).inc(len(data))
-        metrics.PUSH_SECONDS.labels(type=kind).observe(time.perf_counter() - started)
-        log.info("push %s v%s nonce %s to %r: %d resources, %d removed", kind, response.version,
-                  response.nonce, info.node_id, len(response.resources), len(response.removed))
+        bound = _push_metrics(kind, info.api)
+        bound.pushes.inc()
+        bound.resources.inc(len(response.resources))
+        bound.bytes.inc(len(data))
+        bound.seconds.observe(time.perf_counter() - started)
+        self._log_push(info, kind, response, len(data))
+
+    def _log_push(self, info: StreamInfo, kind: str, response: Response, size: int) -> None:
+        """One info line per push while at most PER_PUSH_LOG_STREAMS streams are open; above
+        that, per-push lines go to debug and info gets one summary per type per second."""
+        few = len(self.streams) <= PER_PUSH_LOG_STREAMS
+        level = logging.INFO if few else logging.DEBUG
+        if log.isEnabledFor(level):
+            log.log(level, "push %s v%s nonce %s to %r: %d resources, %d removed", kind,
+                    response.version, response.nonce, info.node_id, len(response.resources),
+                    len(response.removed))
+        if not few and log.isEnabledFor(logging.INFO):
+            self.push_log.add(kind, info.api, response, size)
 
 
 async def start_xds_server(servicer: XdsServicer, address: str,
