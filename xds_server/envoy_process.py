@@ -188,7 +188,8 @@ class EnvoyProcess:
             except (OSError, urllib.error.URLError):
                 pass
             time.sleep(0.02)
-        raise EnvoyError(f"Envoy not ready after {timeout}s; log tail:\n{self.log_tail()}")
+        raise EnvoyError(f"Envoy not ready after {timeout}s; init state:\n{self.init_state()}\n"
+                         f"log tail:\n{self.log_tail()}")
 
     def wait_admin(self, timeout: float = 10.0) -> None:
         """Wait until the admin API answers at all (e.g. before the control plane is up)."""
@@ -224,6 +225,20 @@ class EnvoyProcess:
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    INIT_STATS = ("server.state", "warming", "init_fetch_timeout", "update_attempt",
+                  "update_success", "update_rejected", "health_check.attempt",
+                  "health_check.success", "health_check.failure", "control_plane.connected")
+
+    def init_state(self) -> str:
+        """What Envoy is still waiting for (for errors): its xDS, warming and health-check
+        stats, and the dynamic clusters' names; "" if the admin API does not answer."""
+        try:
+            _, stats = self._get("/stats", timeout=2.0)
+        except (OSError, urllib.error.URLError):
+            return ""
+        return "\n".join(line for line in stats.splitlines()
+                         if any(key in line for key in self.INIT_STATS))
 
     def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
