@@ -112,22 +112,15 @@ def _fleet() -> Any:
     return Fleet("m", servers)
 
 
-def _settings(tokens: int, factor: float) -> Any:
-    from xds_server.bench.cli import BenchSettings
-    return BenchSettings(fleet="f", workload="w", policies=POLICIES, duration=1, warmup=1,
-                         tail=1, rate=1, seed=1, weights="composite", interval=2, out="o",
-                         long_context_tokens=tokens, long_context_kv_factor=factor)
-
-
 def test_long_context_pool_takes_the_servers_whose_kv_holds_the_longest_requests() -> None:
     from xds_server.bench.cli import long_context_for
     from xds_server.loadgen.workload import load_workload
     w = load_workload("examples/workload-mixed.yaml")  # longest request: 32000 + 512 tokens
-    assert long_context_for(_fleet(), w, _settings(0, 8)) is None
-    eight = long_context_for(_fleet(), w, _settings(8192, 8))
+    assert long_context_for(_fleet(), w, 0) is None
+    eight = long_context_for(_fleet(), w, 8192)
     assert eight is not None and eight.addresses == ("127.0.0.1:1",)
     assert eight.min_prompt_bytes == 4 * 8192
-    four = long_context_for(_fleet(), w, _settings(8192, 4))
+    four = long_context_for(_fleet(), w, 8192, 4)
     assert four is not None and four.addresses == ("127.0.0.1:1", "127.0.0.1:2")
 
 

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from xds_server.bench import envoy_configs, report
-from xds_server.bench.cli import interrupts_as_keyboard
+from xds_server.bench.cli import interrupts_as_keyboard, long_context_for
 from xds_server.bench.runner import (
     BenchError,
     Counters,
@@ -83,6 +83,7 @@ class DemoSettings:
     interval: float
     compare: bool
     plain: bool
+    long_context_tokens: int = 0
 
     def plan(self, duration: float) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, duration, self.seed, self.tail)
@@ -280,7 +281,8 @@ def run_policy(policy: str, s: DemoSettings, w: Workload, model: str, duration: 
     sim = SimFleetProcess(s.fleet, model, workdir)
     try:
         fleet = sim.start()
-        stack = PolicyStack(policy, fleet, workdir, interval=s.interval)
+        stack = PolicyStack(policy, fleet, workdir, interval=s.interval,
+                            long_context=long_context_for(fleet, w, s.long_context_tokens))
         try:
             stack.start()
             pids = [f"sim {sim.child.pid}", f"envoy {stack.envoy.pid}"]
@@ -402,6 +404,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="trimtab's telemetry interval in seconds (default 1)")
     p.add_argument("--plain", action="store_true",
                    help="print a table every 10 s instead of the live one")
+    p.add_argument("--long-context-tokens", type=int, default=8192, metavar="N",
+                   help="trimtab routes prompts of >= N tokens (content-length >= 4*N) to a "
+                        "long-context pool of the big-KV servers (see trimtab bench; "
+                        "0: off; default 8192)")
     p.add_argument("--logs", type=Path, help="keep every process's log and config here")
     return p
 
@@ -412,7 +418,8 @@ def settings_from(args: argparse.Namespace, w: Workload) -> DemoSettings:
         fleet=args.fleet, workload=args.workload, rate=args.rate, duration=args.duration,
         compare_duration=compare_duration, warmup=args.warmup, tail=args.tail,
         seed=w.seed if args.seed is None else args.seed, interval=args.interval,
-        compare=not args.no_compare, plain=args.plain or not sys.stdout.isatty())
+        compare=not args.no_compare, plain=args.plain or not sys.stdout.isatty(),
+        long_context_tokens=max(0, args.long_context_tokens) if w.realistic_bodies else 0)
 
 
 def run_demo(s: DemoSettings, w: Workload, model: str, workdir: Path) -> list[str]:

@@ -196,13 +196,14 @@ def longest_request(w: Workload) -> int:
     return max(top(c.prompt_tokens) + top(c.max_tokens) for c in w.classes)
 
 
-def long_context_for(fleet: Fleet, w: Workload, s: BenchSettings) -> LongContext | None:
-    """The long-context class: servers whose KV cache holds ``long_context_kv_factor`` of
-    the workload's longest requests (a smaller one holds one or two and queues the rest)."""
-    if not s.long_context_tokens:
+def long_context_for(fleet: Fleet, w: Workload, tokens: int,
+                     factor: float = LONG_POOL_KV_FACTOR) -> LongContext | None:
+    """The long-context class for prompts of ``tokens`` or more: the servers whose KV cache
+    holds ``factor`` of the workload's longest requests (a smaller one holds one or two and
+    queues the rest). None when ``tokens`` is 0."""
+    if not tokens:
         return None
-    need = int(s.long_context_kv_factor * longest_request(w))
-    tokens = s.long_context_tokens
+    need = int(factor * longest_request(w))
     big = tuple(x.address for x in fleet.servers if x.kv_capacity_tokens >= need)
     if not big:
         raise BenchError(f"no server's KV cache holds {need} tokens for the long-context pool")
@@ -213,7 +214,8 @@ def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> Load
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
                         composite=s.composite,
-                        long_context=long_context_for(fleet, w, s))
+                        long_context=long_context_for(fleet, w, s.long_context_tokens,
+                                                     s.long_context_kv_factor))
     try:
         stack.start()
         log(f"{policy}: Envoy routes to {len(fleet.servers)} hosts via "
