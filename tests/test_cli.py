@@ -1,16 +1,27 @@
-"""The `trimtab` command line: version, validate (exit 2 naming key path and reason), serve."""
+"""The `trimtab` command line: version, validate (exit 2 naming key path and reason), serve,
+rollout (against a real admin server with a bearer token) and the JSON log format."""
 
 from __future__ import annotations
 
+import json
+import logging
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
+import yaml
 
 from xds_server import __version__
 from xds_server.cli import EXIT_BAD_INPUT, main
+from xds_server.envoy_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "local.yaml"
@@ -22,6 +33,18 @@ pools:
     endpoints:
       - address: 127.0.0.1:8001
 """
+
+
+CANARY = """\
+pools:
+  - name: qwen
+    model: qwen/qwen
+    versions:
+      stable: {endpoints: [{address: 127.0.0.1:8001, signals: {gpu_mem_pct: 10}}]}
+      canary: {endpoints: [{address: 127.0.0.1:8002, signals: {gpu_mem_pct: 10}}]}
+    rollout: {start_percent: 10}
+"""
+SCRAPE_ONLY = "a canary rollout (`versions`) needs telemetry source `scrape`"
 
 
 def _cli(*args: str, timeout: float = 30.0) -> subprocess.CompletedProcess[str]:
@@ -104,6 +127,19 @@ CASES = {
     "hostname-endpoint": (POOL.replace("127.0.0.1:8001", "localhost:8001"),
                           "pools[0].endpoints[0].address",
                           "expected an IP address (EDS endpoints are IPs), got 'localhost'"),
+    "hostname-listener": ("listener: {address: 'localhost:10000'}\n" + POOL, "listener.address",
+                          "expected an IP address (Envoy binds a listener to a socket address, "
+                          "not a hostname), got 'localhost'"),
+    "canary-static-source": (CANARY.replace("    rollout:", "    telemetry_source: static\n"
+                                                            "    rollout:"),
+                             "pools[0].telemetry_source", f"{SCRAPE_ONLY}: its SLO gates read "
+                             "latency histograms and request counters from the endpoints' "
+                             "metrics pages; this pool reads 'static'"),
+    "canary-prometheus-source": ("telemetry: {source: prometheus}\n" + CANARY,
+                                 "pools[0].telemetry_source",
+                                 "this pool reads 'prometheus' (from telemetry.source)"),
+    "canary-file-source": ("telemetry: {source: file, file: signals.yaml}\n" + CANARY,
+                           "pools[0].telemetry_source", SCRAPE_ONLY),
 }
 
 
@@ -168,3 +204,149 @@ def test_missing_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str])
         main([])
     assert exc.value.code == EXIT_BAD_INPUT
     assert "usage: trimtab" in capsys.readouterr().err
+
+
+def test_hostname_listener_is_one_problem_and_an_ip_passes(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    code, stderr = _validate(tmp_path, capsys, "listener: {address: 'envoy.local:80'}\n" + POOL)
+    assert code == EXIT_BAD_INPUT
+    assert _problem_lines(stderr) == [
+        "listener.address: expected an IP address (Envoy binds a listener to a socket address, "
+        "not a hostname), got 'envoy.local'"]
+    for address in ("127.0.0.1:10000", "'[::1]:10000'", "0.0.0.0:10000"):
+        code, stderr = _validate(tmp_path, capsys, f"listener: {{address: {address}}}\n" + POOL)
+        assert code == 0, (address, stderr)
+
+
+def test_canary_with_the_scrape_source_passes(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Scrape (the default) is fine, and other sources stay fine for pools without versions."""
+    other = POOL[len("pools:\n"):].replace("    model: meta/llama\n",
+                                           "    model: meta/llama\n    telemetry_source: file\n")
+    text = "telemetry: {file: signals.yaml}\n" + CANARY + other
+    assert _validate(tmp_path, capsys, text) == (0, "")
+
+
+def test_serve_refuses_a_corrupt_rollout_state_file(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text("rollouts: {state_file: state.json}\n" + CANARY)
+    state = {"pool": "qwen", "phase": "progressing", "percent": "15", "step": 1,
+             "step_started_at": 0.0}
+    (tmp_path / "state.json").write_text(json.dumps({"version": 1, "rollouts": {"qwen": state}}))
+    assert main(["serve", "--config", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "refusing to start" in err and "state.json" in err
+    assert "rollouts.qwen.percent: expected a finite number in 0..100, got '15'" in err
+
+
+# -- `trimtab rollout` against a real admin server with a bearer token ---------------------------
+
+TOKEN = "s3cret-admin-token"
+
+
+def _get_status(url: str) -> int:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return int(response.status)
+    except urllib.error.HTTPError as exc:
+        return exc.code
+    except OSError:
+        return 0
+
+
+@pytest.fixture
+def guarded_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
+    """`trimtab serve` whose admin API wants a bearer token for reads and writes; yields
+    (config path, admin base URL)."""
+    (tmp_path / "token").write_text(TOKEN + "\n")
+    admin = free_port()
+    config = yaml.safe_load(CANARY)
+    for version in config["pools"][0]["versions"].values():
+        version["endpoints"] = [{"address": f"127.0.0.1:{free_port()}"}]  # nothing listens
+    config.update({"xds": {"address": f"127.0.0.1:{free_port()}"},
+                   "listener": {"address": f"127.0.0.1:{free_port()}"},
+                   "admin": {"address": f"127.0.0.1:{admin}",
+                             "auth": {"token_file": str(tmp_path / "token"),
+                                      "protect_reads": True}},
+                   "rollouts": {"state_file": str(tmp_path / "rollouts.json")}})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    proc = subprocess.Popen([sys.executable, "-m", "xds_server.cli", "--log-level", "warning",
+                             "serve", "--config", str(path)], cwd=ROOT)
+    base = f"http://127.0.0.1:{admin}"
+    try:
+        deadline = time.monotonic() + 30
+        while _get_status(f"{base}/healthz") != 200:
+            assert proc.poll() is None, "trimtab serve exited"
+            assert time.monotonic() < deadline, "trimtab serve never answered /healthz"
+            time.sleep(0.05)
+        yield path, base
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+
+
+def test_rollout_commands_send_the_admin_token(guarded_server: tuple[Path, str],
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    path, base = guarded_server
+    assert _get_status(f"{base}/v1/rollouts") == 401  # the token really is required
+    assert main(["rollout", "pause", "qwen", "--config", str(path)]) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert (answer["phase"], answer["percent"]) == ("paused", 10.0)
+    assert main(["rollout", "status", "--config", str(path)]) == 0  # reads are protected too
+    assert json.loads(capsys.readouterr().out)["rollouts"]["qwen"]["phase"] == "paused"
+    assert main(["rollout", "resume", "qwen", "--config", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["phase"] == "progressing"
+
+
+def test_rollout_without_the_token_is_refused_with_a_hint(guarded_server: tuple[Path, str],
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    path, base = guarded_server
+    assert main(["rollout", "abort", "qwen", "--admin", base]) == 1
+    err = capsys.readouterr().err
+    assert "401" in err and "pass --config with the admin.auth" in err
+    assert main(["rollout", "status", "--config", str(path)]) == 0
+    assert json.loads(capsys.readouterr().out)["rollouts"]["qwen"]["phase"] == "progressing"
+
+
+def test_rollout_with_an_unreadable_token_file_exits_2(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    missing = tmp_path / "no-token"
+    path.write_text(f"admin: {{auth: {{token_file: '{missing}'}}}}\n" + POOL)
+    assert main(["rollout", "status", "--config", str(path)]) == EXIT_BAD_INPUT
+    assert f"admin.auth.token_file: admin token file '{missing}' cannot be read" in \
+        capsys.readouterr().err
+
+
+# -- logging ------------------------------------------------------------------------------------
+
+
+def test_json_log_format_writes_one_object_per_line(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(POOL)
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        assert main(["--log-format", "json", "validate", "--config", str(path)]) == 0
+        log = logging.getLogger("trimtab.test")
+        log.info("hello %s", "world")
+        log.debug("below the level: not written")
+        try:
+            raise RuntimeError("boom")
+        except RuntimeError:
+            log.exception("it failed")
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    first, second = (json.loads(line) for line in capsys.readouterr().err.splitlines())
+    assert {k: first[k] for k in ("level", "logger", "message")} == {
+        "level": "info", "logger": "trimtab.test", "message": "hello world"}
+    assert first["time"].endswith("Z")
+    when = datetime.fromisoformat(first["time"].replace("Z", "+00:00"))
+    assert when.tzinfo is not None and abs((datetime.now(UTC) - when).total_seconds()) < 60
+    assert (second["level"], second["message"]) == ("error", "it failed")
+    assert "RuntimeError: boom" in second["exc"]

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
+import os
+import signal
 import socket
 import sys
 import threading
+import time
 import types
+import urllib.request
 from collections.abc import Iterator
 from contextlib import closing
 from typing import Any
@@ -16,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.adapters import parse_page
+from xds_server.cli import main
 from xds_server.nvml_agent import (
     GpuStat,
     NvmlUnavailable,
@@ -238,3 +244,53 @@ async def _retry_get(session: aiohttp.ClientSession, url: str) -> int:
         except aiohttp.ClientConnectionError:
             await asyncio.sleep(0.01)
     raise AssertionError(f"{url} never answered")
+
+
+# --- `trimtab agent` --------------------------------------------------------------------------
+
+
+def _scrape_then_stop(url: str, done: threading.Event, result: dict[str, Any]) -> None:
+    """Scrape `url` once it answers, then SIGTERM this process (the agent's handler stops
+    it). If it never answers, interrupt the main thread instead (unless `main` returned)."""
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not done.is_set():
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                result["status"], result["page"] = response.status, response.read().decode()
+        except OSError:
+            time.sleep(0.02)
+            continue
+        os.kill(os.getpid(), signal.SIGTERM)
+        return
+    if not done.wait(1):
+        _thread.interrupt_main()
+
+
+def test_cli_agent_serves_dcgm_names_and_closes_nvml_on_sigterm(fake_nvml: Any) -> None:
+    port, done, result = _free_port(), threading.Event(), {}
+    helper = threading.Thread(target=_scrape_then_stop, daemon=True,
+                              args=(f"http://127.0.0.1:{port}/metrics", done, result))
+    helper.start()
+    try:
+        code = main(["agent", "--listen", f"127.0.0.1:{port}"])  # main thread: gets signals
+    finally:
+        done.set()
+        helper.join(10)
+    assert code == 0 and result.get("status") == 200, result
+    families = {f.name: f for f in text_string_to_metric_families(result["page"])}
+    assert {"DCGM_FI_DEV_FB_USED", "DCGM_FI_DEV_FB_FREE", "DCGM_FI_DEV_GPU_UTIL"} <= set(families)
+    used = {s.labels["UUID"]: s.value for s in families["DCGM_FI_DEV_FB_USED"].samples}
+    assert used == {"GPU-a": 20000.0, "GPU-b": 1.5}
+    assert fake_nvml.calls == ["init", "shutdown"]  # NVML shut down once the agent stopped
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL  # its handler is gone again
+
+
+def test_cli_agent_closes_nvml_when_it_cannot_listen(fake_nvml: Any,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    with closing(socket.socket()) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["agent", "--listen", f"127.0.0.1:{port}"]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert fake_nvml.calls == ["init", "shutdown"]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 import pytest
 
 from xds_server.config import GateConfig, RolloutConfig
 from xds_server.rollout import (
     ABORTED,
+    HISTORY_LIMIT,
     PAUSED,
     PROGRESSING,
     PROMOTED,
@@ -19,6 +23,7 @@ from xds_server.rollout import (
     from_json,
     gate_breach,
     load_state,
+    new_events,
     save_state,
     start,
     to_json,
@@ -102,8 +107,108 @@ def test_missing_state_file_is_empty_but_corrupt_is_refused(tmp_path):
         load_state(bad)
     bad.write_text('{"version": 1, "rollouts": {"p": {"pool": "p", "phase": "dancing", '
                    '"percent": 5, "step": 0, "step_started_at": 0}}}')
-    with pytest.raises(RolloutStateError, match="bad phase"):
+    with pytest.raises(RolloutStateError, match="rollouts.p.phase: expected one of progressing"):
         load_state(bad)
     bad.write_text('{"version": 99}')
     with pytest.raises(RolloutStateError, match="version"):
         load_state(bad)
+
+
+def _long_schedule(events: int) -> list:
+    """States after each of `events` events: start, then pause/resume pairs."""
+    states = [start("p", POLICY, 0.0)]
+    while len(states) < events:
+        action = "pause" if states[-1].phase == PROGRESSING else "resume"
+        states.append(command(states[-1], action, POLICY, float(len(states))))
+    return states
+
+
+def test_history_is_capped_but_seq_counts_every_event():
+    states = _long_schedule(2 * HISTORY_LIMIT + 3)
+    last = states[-1]
+    assert len(last.history) == HISTORY_LIMIT and last.seq == 2 * HISTORY_LIMIT + 3
+    assert [s.seq for s in states] == list(range(1, len(states) + 1))
+    assert new_events(None, states[0]) == states[0].history
+
+
+def test_new_events_past_the_cap_are_exactly_the_new_ones():
+    states = _long_schedule(HISTORY_LIMIT + 10)
+    old, new = states[HISTORY_LIMIT + 2], states[HISTORY_LIMIT + 5]
+    assert len(old.history) == len(new.history) == HISTORY_LIMIT  # the old way found nothing
+    fresh = new_events(old, new)
+    assert fresh == tuple(s.history[-1] for s in states[HISTORY_LIMIT + 3:HISTORY_LIMIT + 6])
+    assert new_events(new, new) == ()
+    restarted = start("p", POLICY, 99.0)  # a state file rewritten from scratch
+    assert new_events(new, restarted) == restarted.history
+
+
+def test_state_file_keeps_seq_and_accepts_files_from_before_it(tmp_path):
+    last = _long_schedule(HISTORY_LIMIT + 4)[-1]
+    assert from_json(to_json({"p": last}))["p"].seq == HISTORY_LIMIT + 4
+    body = json.loads(to_json({"p": last}))
+    del body["rollouts"]["p"]["seq"]
+    assert from_json(json.dumps(body))["p"].seq == HISTORY_LIMIT
+
+
+def _state_text(**changes: Any) -> str:
+    good: dict[str, Any] = {"pool": "p", "phase": "progressing", "percent": 15.0, "step": 1,
+                            "step_started_at": 300.0, "reason": "",
+                            "history": [{"at": 0.0, "kind": "start", "percent": 10.0,
+                                         "reason": "rollout started"}]}
+    for key, value in changes.items():
+        if value is _DROP:
+            good.pop(key)
+        else:
+            good[key] = value
+    return json.dumps({"version": 1, "rollouts": {"p": good}})
+
+
+_DROP = object()
+CORRUPT = {
+    "percent-string": ({"percent": "15"}, "rollouts.p.percent: expected a finite number in "
+                                          "0..100, got '15'"),
+    "percent-null": ({"percent": None}, "rollouts.p.percent: expected a finite number in "
+                                        "0..100, got None"),
+    "percent-nan": ({"percent": float("nan")}, "rollouts.p.percent: .* got nan"),
+    "percent-infinite": ({"percent": float("inf")}, "rollouts.p.percent: .* got inf"),
+    "percent-above-100": ({"percent": 150}, "rollouts.p.percent: .* got 150"),
+    "percent-bool": ({"percent": True}, "rollouts.p.percent: .* got True"),
+    "step-string": ({"step": "1"}, "rollouts.p.step: expected an integer >= 0, got '1'"),
+    "step-negative": ({"step": -1}, "rollouts.p.step: expected an integer >= 0, got -1"),
+    "step-float": ({"step": 1.5}, "rollouts.p.step: expected an integer >= 0, got 1.5"),
+    "step-null": ({"step": None}, "rollouts.p.step: expected an integer >= 0, got None"),
+    "started-string": ({"step_started_at": "yesterday"},
+                       "rollouts.p.step_started_at: expected a finite number .* 'yesterday'"),
+    "started-infinite": ({"step_started_at": float("inf")},
+                         "rollouts.p.step_started_at: expected a finite number .* got inf"),
+    "started-huge-int": ({"step_started_at": 10**400}, "rollouts.p.step_started_at: expected"),
+    "started-missing": ({"step_started_at": _DROP}, "rollouts.p.step_started_at: missing"),
+    "phase-null": ({"phase": None}, "rollouts.p.phase: expected one of"),
+    "reason-number": ({"reason": 3}, "rollouts.p.reason: expected a string, got 3"),
+    "unknown-key": ({"colour": "blue"}, "rollouts.p.colour: unknown key"),
+    "other-pool": ({"pool": "q"}, "rollouts.p.pool: expected 'p', got 'q'"),
+    "history-object": ({"history": {}}, "rollouts.p.history: expected a list, got dict"),
+    "event-not-object": ({"history": [3]}, r"rollouts.p.history\[0\]: expected an object"),
+    "event-percent-string": ({"history": [{"at": 0, "kind": "start", "percent": "x"}]},
+                             r"rollouts.p.history\[0\].percent: expected a finite number"),
+    "event-at-missing": ({"history": [{"kind": "start", "percent": 10}]},
+                         r"rollouts.p.history\[0\].at: missing"),
+    "seq-below-history": ({"seq": 0}, "rollouts.p.seq: 0 is below the 1 events in history"),
+    "seq-negative": ({"seq": -4}, "rollouts.p.seq: expected an integer >= 0, got -4"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CORRUPT))
+def test_corrupt_state_fields_are_refused_with_the_field_named(case, tmp_path):
+    changes, message = CORRUPT[case]
+    path = tmp_path / "rollouts.json"
+    path.write_text(_state_text(**changes))
+    with pytest.raises(RolloutStateError, match=message) as exc:
+        load_state(path)
+    assert str(path) in str(exc.value) and "fix or remove the file" in str(exc.value)
+
+
+def test_a_valid_state_text_loads():  # the base of CORRUPT is good: each case breaks one field
+    state = from_json(_state_text())["p"]
+    assert (state.percent, state.step, state.step_started_at, state.seq) == (15.0, 1, 300.0, 1)
+    assert from_json(_state_text(percent=20, step_started_at=5))["p"].percent == 20.0

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 from envoy.config.route.v3.route_pb2 import RouteConfiguration
+from prometheus_client import REGISTRY
 
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
+from xds_server.config import RolloutsConfig, parse_config
 from xds_server.controller import Controller
-from xds_server.rollout import PROGRESSING, ROLLED_BACK, load_state
+from xds_server.rollout import (
+    HISTORY_LIMIT,
+    PROGRESSING,
+    PROMOTED,
+    ROLLED_BACK,
+    VersionStats,
+    load_state,
+)
+from xds_server.rollouts import Rollouts
 from xds_server.telemetry import ScrapeResult
 
 STABLE, CANARY = "10.0.0.1:80", "10.0.0.2:80"
@@ -81,3 +91,61 @@ def test_rollout_steps_rolls_back_and_resumes_from_the_state_file(tmp_path):
     assert state.phase == ROLLED_BACK and "TTFT" in state.reason
     assert split(cache) == {"p": 1000}
     assert load_state(state_file)["p"].phase == ROLLED_BACK
+
+
+class GoodTracker:
+    """Both versions healthy and busy: every gate passes at every tick."""
+
+    def stats(self, addresses, since):
+        return VersionStats(requests=100, ttft_p95_s=0.1, itl_p95_s=0.01)
+
+
+def _events_total(pool: str, kind: str) -> float:
+    value = REGISTRY.get_sample_value("trimtab_rollout_events_total",
+                                      {"pool": pool, "kind": kind})
+    return value or 0.0
+
+
+def test_events_past_the_history_limit_are_still_logged_and_counted(tmp_path, caplog):
+    """1 % steps: 99 steps plus start, pause, resume and promote, past the 50-event history."""
+    config = parse_config({"pools": [{
+        "name": "long", "model": "m",
+        "versions": {"stable": {"endpoints": [{"address": STABLE}]},
+                     "canary": {"endpoints": [{"address": CANARY}]}},
+        "rollout": {"start_percent": 1, "step_percent": 1, "step_interval_seconds": 1,
+                    "max_percent": 100, "gates": {"min_requests": 5}}}]})
+    kinds = ("start", "step", "pause", "resume", "promote")
+    before = {kind: _events_total("long", kind) for kind in kinds}
+    rollouts = Rollouts(config, tmp_path / "rollouts.json")
+    caplog.set_level(logging.INFO, logger="trimtab.rollout")
+    for tick in range(300):
+        rollouts.tick(GoodTracker(), float(tick))
+        if tick == 70:  # operator commands once the history is full count too
+            rollouts.command("long", "pause", 70.5)
+            rollouts.command("long", "resume", 70.5)
+        if rollouts.states["long"].phase == PROMOTED:
+            break
+    state = rollouts.states["long"]
+    assert state.phase == PROMOTED and len(state.history) == HISTORY_LIMIT and state.seq == 103
+    counted = {kind: _events_total("long", kind) - before[kind] for kind in kinds}
+    assert counted == {"start": 1, "step": 99, "pause": 1, "resume": 1, "promote": 1}
+    logged = [r.getMessage() for r in caplog.records if r.name == "trimtab.rollout"]
+    assert sum(m.startswith("rollout long: step at") for m in logged) == 99
+    assert logged[-1].startswith("rollout long: promote at 100%")
+    assert load_state(tmp_path / "rollouts.json")["long"].seq == 103
+
+
+def test_a_follower_keeps_its_state_when_the_file_turns_corrupt(tmp_path, caplog):
+    state_file = tmp_path / "rollouts.json"
+    driver = Rollouts(config(state_file), state_file)
+    driver.tick(GoodTracker(), 0.0)
+    follower_config = config(state_file).model_copy(
+        update={"rollouts": RolloutsConfig(state_file=str(state_file), drive=False)})
+    follower = Rollouts(follower_config, state_file)
+    assert follower.states["p"].percent == 10
+    good = state_file.read_text()
+    state_file.write_text(good.replace('"percent": 10.0', '"percent": "10"'))
+    assert state_file.read_text() != good
+    assert follower.tick(GoodTracker(), 1.0) is False  # logged, not raised
+    assert follower.states["p"].percent == 10
+    assert "rollouts.p.percent: expected a finite number in 0..100, got '10'" in caplog.text

@@ -13,18 +13,28 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING
 
 from . import __version__
-from .config import ConfigError, load_config
+from .config import ConfigError, HostPort, load_config
 from .rollout import RolloutStateError
+
+if TYPE_CHECKING:
+    from .nvml_agent import GpuReader
 
 EXIT_BAD_INPUT = 2
 
 
 class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time (ISO 8601, UTC), level, logger, message[, exc]."""
+
     def format(self, record: logging.LogRecord) -> str:
-        entry = {"ts": round(record.created, 3), "level": record.levelname.lower(),
-                 "logger": record.name, "msg": record.getMessage()}
+        when = datetime.fromtimestamp(record.created, tz=UTC)
+        entry = {"time": when.isoformat(timespec="milliseconds").replace("+00:00", "Z"),
+                 "level": record.levelname.lower(), "logger": record.name,
+                 "message": record.getMessage()}
         if record.exc_info:
             entry["exc"] = self.formatException(record.exc_info)
         return json.dumps(entry)
@@ -126,7 +136,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
 
 def cmd_agent(args: argparse.Namespace) -> int:
     from .config import parse_host_port
-    from .nvml_agent import NvmlUnavailable, PynvmlReader, serve_agent
+    from .nvml_agent import NvmlUnavailable, PynvmlReader
 
     try:
         where = parse_host_port(args.listen)
@@ -138,19 +148,68 @@ def cmd_agent(args: argparse.Namespace) -> int:
     except NvmlUnavailable as exc:
         print(f"trimtab: agent: {exc}", file=sys.stderr)
         return 1
-    with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve_agent(reader, where.host, where.port))
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_agent(reader, where.host, where.port))
+    except OSError as exc:
+        print(f"trimtab: agent: cannot listen on {args.listen}: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        reader.close()
     return 0
 
 
-def _admin_url(args: argparse.Namespace) -> str:
+async def _agent(reader: GpuReader, host: str, port: int) -> None:
+    """Serve until SIGTERM or SIGINT (when run in the main thread) or cancellation."""
+    from .nvml_agent import serve_agent
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGTERM, signal.SIGINT)
+    with contextlib.suppress(ValueError, RuntimeError):  # only the main thread gets signals
+        for sig in signals:
+            loop.add_signal_handler(sig, stop.set)
+    try:
+        await serve_agent(reader, host, port, stop)
+        logging.getLogger("trimtab.agent").info("agent shut down cleanly")
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+@dataclass(frozen=True)
+class AdminTarget:
+    base: str            # http://host:port
+    token: str | None    # admin.auth's bearer token, when the config sets one
+
+
+def _admin_target(args: argparse.Namespace) -> AdminTarget:
+    """Where the admin API is and its token: from --admin, --config or the default. Raises
+    ConfigError for a bad config or an unreadable token (admin.auth.token_file/token_env)."""
+    from .security import load_token
+
     if args.admin:
-        return args.admin.rstrip("/")
-    if args.config:
-        address = load_config(args.config).admin.host_port
-        host = "127.0.0.1" if address.host in ("0.0.0.0", "::") else address.host
-        return f"http://{host}:{address.port}"
-    return "http://127.0.0.1:19100"
+        return AdminTarget(args.admin.rstrip("/"), None)
+    if not args.config:
+        return AdminTarget("http://127.0.0.1:19100", None)
+    admin = load_config(args.config).admin
+    host = "127.0.0.1" if admin.host_port.host in ("0.0.0.0", "::") else admin.host_port.host
+    base = f"http://{HostPort(host, admin.host_port.port)}"  # [v6]:port when IPv6
+    try:
+        token = load_token(admin.auth.token_file, admin.auth.token_env)
+    except ValueError as exc:
+        key = "token_file" if admin.auth.token_file is not None else "token_env"
+        raise ConfigError([(f"admin.auth.{key}", str(exc))]) from None
+    return AdminTarget(base, token)
+
+
+def _rollout_request(target: AdminTarget, action: str, pool: str | None) -> urllib.request.Request:
+    headers = {"authorization": f"Bearer {target.token}"} if target.token else {}
+    if action == "status":
+        return urllib.request.Request(f"{target.base}/v1/rollouts", headers=headers)
+    return urllib.request.Request(f"{target.base}/v1/rollouts/{pool}/{action}", data=b"{}",
+                                  method="POST",
+                                  headers={**headers, "content-type": "application/json"})
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
@@ -158,25 +217,23 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         print(f"trimtab: rollout {args.action} needs a POOL", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        base = _admin_url(args)
+        target = _admin_target(args)
     except ConfigError as exc:
         print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    if args.action == "status":
-        request = urllib.request.Request(f"{base}/v1/rollouts")
-    else:
-        request = urllib.request.Request(f"{base}/v1/rollouts/{args.pool}/{args.action}",
-                                         data=b"{}", method="POST",
-                                         headers={"content-type": "application/json"})
     try:
-        with urllib.request.urlopen(request, timeout=10) as response:
+        with urllib.request.urlopen(_rollout_request(target, args.action, args.pool),
+                                    timeout=10) as response:
             print(json.dumps(json.load(response), indent=1, sort_keys=True))
             return 0
     except urllib.error.HTTPError as exc:
         print(f"trimtab: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
+        if exc.code == 401 and target.token is None:
+            print("trimtab: the admin API wants a bearer token: pass --config with the "
+                  "admin.auth the server uses", file=sys.stderr)
         return EXIT_BAD_INPUT if exc.code in (400, 404, 409) else 1
     except OSError as exc:
-        print(f"trimtab: cannot reach the admin API at {base}: {exc}", file=sys.stderr)
+        print(f"trimtab: cannot reach the admin API at {target.base}: {exc}", file=sys.stderr)
         return 1
 
 

@@ -618,8 +618,34 @@ def _source_checks(config: Config) -> list[tuple[str, str]]:
     return problems
 
 
+def _rollout_source_checks(config: Config) -> list[tuple[str, str]]:
+    """A canary's SLO gates read `slo:*` signals (latency histograms, request and error
+    counters), and only the scrape source parses them from the metrics pages: with any other
+    source a rollout would never see a request and so never step."""
+    problems = []
+    for p_index, pool in enumerate(config.pools):
+        source = pool.source(config)
+        if pool.versions is None or source == "scrape":
+            continue
+        origin = "" if pool.telemetry_source is not None else " (from telemetry.source)"
+        problems.append((f"pools[{p_index}].telemetry_source",
+                         f"a canary rollout (`versions`) needs telemetry source `scrape`: its "
+                         f"SLO gates read latency histograms and request counters from the "
+                         f"endpoints' metrics pages; this pool reads {source!r}{origin}"))
+    return problems
+
+
+def _listener_checks(config: Config) -> list[tuple[str, str]]:
+    host = config.listener.host_port.host
+    if is_ip(host):
+        return []
+    return [("listener.address", f"expected an IP address (Envoy binds a listener to a socket "
+                                 f"address, not a hostname), got {host!r}")]
+
+
 def _cross_checks(config: Config) -> list[tuple[str, str]]:
     problems = _name_checks(config) + _fallback_checks(config) + _source_checks(config)
+    problems += _rollout_source_checks(config) + _listener_checks(config)
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)

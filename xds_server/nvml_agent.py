@@ -169,11 +169,13 @@ async def start_agent(reader: GpuReader, host: str, port: int) -> tuple[web.AppR
     return runner, runner.addresses[0][1]
 
 
-async def serve_agent(reader: GpuReader, host: str, port: int) -> None:
-    """Serve until cancelled, then stop cleanly."""
+async def serve_agent(reader: GpuReader, host: str, port: int,
+                      stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or the task is cancelled), then stop cleanly. The reader
+    stays open: its owner closes it."""
     runner, _ = await start_agent(reader, host, port)
     try:
-        await asyncio.Event().wait()
+        await (stop or asyncio.Event()).wait()
     finally:
         await runner.cleanup()
 

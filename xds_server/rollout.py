@@ -2,16 +2,19 @@
 
 `advance(state, policy, stable, canary, now)` is pure: telemetry summaries in, the next state
 out. Every step, rollback and promotion is an event in the state's history, so the controller
-logs it and exports it as a metric. The state file lets a restart resume at the same step; a
+logs it and exports it as a metric. The history keeps the last `HISTORY_LIMIT` events; `seq`
+counts every event ever recorded, so the controller finds the new ones even once the history
+is full (`new_events`). The state file lets a restart resume at the same step; a
 corrupt file is refused with a clear error rather than silently dropping a rollout.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -53,10 +56,20 @@ class RolloutState:
     step_started_at: float
     reason: str = ""
     history: tuple[RolloutEvent, ...] = field(default_factory=tuple)
+    seq: int = 0  # events recorded so far, history's dropped ones included
 
     def with_event(self, event: RolloutEvent, **changes: Any) -> RolloutState:
         history = (*self.history, event)[-HISTORY_LIMIT:]
-        return replace(self, history=history, reason=event.reason, **changes)
+        return replace(self, history=history, reason=event.reason, seq=self.seq + 1, **changes)
+
+
+def new_events(old: RolloutState | None, new: RolloutState) -> tuple[RolloutEvent, ...]:
+    """The events `new` recorded since `old` (all of its history when there is no `old`, or
+    when `new` is not a successor of it: a state file rewritten from scratch)."""
+    if old is None or new.seq < old.seq:
+        return new.history
+    count = min(new.seq - old.seq, len(new.history))
+    return new.history[len(new.history) - count:]
 
 
 @dataclass(frozen=True)
@@ -163,18 +176,83 @@ def to_json(states: Mapping[str, RolloutState]) -> str:
     return json.dumps(body, indent=1, sort_keys=True)
 
 
-def _state_from(pool: str, raw: Any) -> RolloutState:
-    if not isinstance(raw, dict):
-        raise RolloutStateError(f"rollouts.{pool}: expected an object")
+def _finite(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
     try:
-        history = tuple(RolloutEvent(**event) for event in raw.get("history", []))
-        state = RolloutState(**{**raw, "history": history})
-    except TypeError as exc:
-        raise RolloutStateError(f"rollouts.{pool}: {exc}") from None
-    if state.phase not in PHASES or not 0 <= float(state.percent) <= 100:
-        raise RolloutStateError(f"rollouts.{pool}: bad phase {state.phase!r} or percent "
-                                f"{state.percent!r}")
-    return state
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _percent(value: Any) -> bool:
+    return _finite(value) and 0 <= value <= 100
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _text(value: Any) -> bool:
+    return isinstance(value, str)
+
+
+Check = tuple[Callable[[Any], bool], str]
+_STATE_FIELDS: dict[str, Check] = {
+    "pool": (lambda v: isinstance(v, str) and v != "", "a pool name"),
+    "phase": (lambda v: isinstance(v, str) and v in PHASES, f"one of {', '.join(PHASES)}"),
+    "percent": (_percent, "a finite number in 0..100"),
+    "step": (_count, "an integer >= 0"),
+    "step_started_at": (_finite, "a finite number (UNIX seconds)"),
+    "reason": (_text, "a string"),
+    "seq": (_count, "an integer >= 0"),
+}
+_EVENT_FIELDS: dict[str, Check] = {
+    "at": (_finite, "a finite number (UNIX seconds)"),
+    "kind": (lambda v: isinstance(v, str) and v != "", "an event kind"),
+    "percent": (_percent, "a finite number in 0..100"),
+    "reason": (_text, "a string"),
+}
+
+
+def _check_fields(path: str, raw: Any, fields: Mapping[str, Check], required: tuple[str, ...],
+                  nested: frozenset[str] = frozenset()) -> None:
+    if not isinstance(raw, dict):
+        raise RolloutStateError(f"{path}: expected an object, got {type(raw).__name__}")
+    unknown = sorted(raw.keys() - fields.keys() - nested)
+    if unknown:
+        raise RolloutStateError(f"{path}.{unknown[0]}: unknown key")
+    for key in required:
+        if key not in raw:
+            raise RolloutStateError(f"{path}.{key}: missing")
+    for key, (ok, expected) in fields.items():
+        if key in raw and not ok(raw[key]):
+            raise RolloutStateError(f"{path}.{key}: expected {expected}, got {raw[key]!r}")
+
+
+def _event_from(path: str, raw: Any) -> RolloutEvent:
+    _check_fields(path, raw, _EVENT_FIELDS, ("at", "kind", "percent"))
+    return RolloutEvent(float(raw["at"]), raw["kind"], float(raw["percent"]),
+                        raw.get("reason", ""))
+
+
+def _state_from(pool: str, raw: Any) -> RolloutState:
+    """One pool's state, every field checked: a bad file is refused, never half-loaded."""
+    path = f"rollouts.{pool}"
+    _check_fields(path, raw, _STATE_FIELDS, ("pool", "phase", "percent", "step",
+                                             "step_started_at"), frozenset({"history"}))
+    if raw["pool"] != pool:
+        raise RolloutStateError(f"{path}.pool: expected {pool!r}, got {raw['pool']!r}")
+    events = raw.get("history", [])
+    if not isinstance(events, list):
+        raise RolloutStateError(f"{path}.history: expected a list, got {type(events).__name__}")
+    history = tuple(_event_from(f"{path}.history[{i}]", e) for i, e in enumerate(events))
+    seq = raw.get("seq", len(history))  # files from before `seq`: the history is every event
+    if seq < len(history):
+        raise RolloutStateError(f"{path}.seq: {seq} is below the {len(history)} events in "
+                                f"history")
+    return RolloutState(pool, raw["phase"], float(raw["percent"]), raw["step"],
+                        float(raw["step_started_at"]), raw.get("reason", ""), history, seq)
 
 
 def from_json(text: str) -> dict[str, RolloutState]:

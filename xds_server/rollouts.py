@@ -87,8 +87,7 @@ class Rollouts:
         ROLLOUT_PERCENT.labels(pool=name).set(new.percent)
         if old is not None and old == new:
             return False
-        fresh = new.history[len(old.history):] if old is not None else new.history
-        for event in fresh:
+        for event in rollout.new_events(old, new):
             ROLLOUT_EVENTS.labels(pool=name, kind=event.kind).inc()
             log.info("rollout %s: %s at %g%%: %s", name, event.kind, event.percent, event.reason)
         self.states[name] = new
