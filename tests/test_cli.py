@@ -240,6 +240,19 @@ def test_serve_refuses_a_corrupt_rollout_state_file(tmp_path: Path,
     assert "rollouts.qwen.percent: expected a finite number in 0..100, got '15'" in err
 
 
+def test_serve_with_a_missing_admin_token_file_exits_2(tmp_path: Path,
+                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "config.yaml"
+    missing = tmp_path / "no-such-token"
+    from xds_server.envoy_process import free_port
+    path.write_text(f"xds: {{address: '127.0.0.1:{free_port()}'}}\n"
+                    f"admin: {{address: '127.0.0.1:{free_port()}', "
+                    f"auth: {{token_file: '{missing}'}}}}\n" + POOL)
+    assert main(["serve", "--config", str(path)]) == EXIT_BAD_INPUT
+    err = capsys.readouterr().err
+    assert "cannot start" in err and str(missing) in err and "cannot be read" in err
+
+
 # -- `trimtab rollout` against a real admin server with a bearer token ---------------------------
 
 TOKEN = "s3cret-admin-token"

@@ -104,10 +104,14 @@ async def _serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload()))
     try:
         await app.start()
-    except OSError as exc:
+    except OSError as exc:  # the environment: a port in use, an unreadable certificate
         await app.close()
         print(f"trimtab: cannot start: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # the operator's input, e.g. a missing or empty admin token
+        await app.close()
+        print(f"trimtab: cannot start: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     await app.run(stop)
     logging.getLogger("trimtab").info("shut down cleanly")
     return 0
