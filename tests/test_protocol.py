@@ -8,6 +8,7 @@ from google.rpc import status_pb2
 
 from tests.xds_fixtures import BASE, snapshot
 from xds_server import type_urls as T
+from xds_server.cache import MAX_REJECTION_NODES, SnapshotCache
 from xds_server.protocol import (
     Ack,
     DeltaStream,
@@ -31,13 +32,15 @@ def sotw(type_url: str, names=(), nonce: str = "", version: str = "", error: str
 
 
 def delta(type_url: str, sub=(), unsub=(), nonce: str = "", error: str | None = None,
-          initial: dict[str, str] | None = None) -> DeltaDiscoveryRequest:
+          initial: dict[str, str] | None = None, node: str | None = None) -> DeltaDiscoveryRequest:
     req = DeltaDiscoveryRequest(type_url=type_url, resource_names_subscribe=list(sub),
                                 resource_names_unsubscribe=list(unsub), response_nonce=nonce)
     for name, version in (initial or {}).items():
         req.initial_resource_versions[name] = version
     if error is not None:
         req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
+    if node is not None:
+        req.node.id = node
     return req
 
 
@@ -193,6 +196,20 @@ def test_rejections_survive_a_reconnect_of_the_same_node():
     assert s2.responses(snapshot(BASE)) == []
 
 
+def test_nack_memory_is_kept_for_a_bounded_number_of_node_ids():
+    assert SnapshotCache().max_rejection_nodes == MAX_REJECTION_NODES
+    cache = SnapshotCache(max_rejection_nodes=3)
+    cache.rejections_for("n0").record(T.CLUSTER, {}, "v-bad")
+    held = cache.rejections_for("n1")  # a stream of n1 is still open
+    cache.rejections_for("n2")
+    assert cache.rejections_for("n0").states == {T.CLUSTER: {"v-bad"}}  # used: most recent
+    for i in range(3, 1000):
+        cache.rejections_for(f"n{i}")
+        assert cache.rejection_nodes <= 3
+    assert cache.rejections_for("n1") is held  # a stream's memory is shared while it is held
+    assert cache.rejections_for("n0").states == {}  # forgotten: seen too long ago
+
+
 # ---- Delta --------------------------------------------------------------------------------
 
 def test_delta_legacy_wildcard_and_removal():
@@ -203,6 +220,35 @@ def test_delta_legacy_wildcard_and_removal():
     d.receive(delta(T.CLUSTER, nonce=r1.nonce))
     [r2] = d.responses(snapshot({"a": BASE["a"]}))
     assert r2.resources == () and r2.removed == ("b",)
+
+
+def test_delta_ack_records_the_version_the_acked_response_carried():
+    d = DeltaStream()
+    d.receive(delta(T.ENDPOINT, sub=["a", "b"]))
+    [r1] = d.responses(snapshot(BASE))
+    assert r1.version  # the snapshot's EDS version, as system_version_info
+    [ack] = d.receive(delta(T.ENDPOINT, nonce=r1.nonce))  # a Delta ACK carries no version
+    assert ack == Ack(T.ENDPOINT, r1.nonce, r1.version)
+    assert d.types[T.ENDPOINT].acked_version == r1.version
+    bad = changed(BASE, "a", "10.0.0.1:80", 0)
+    [r2] = d.responses(snapshot(bad))
+    assert r2.version != r1.version
+    d.receive(delta(T.ENDPOINT, nonce=r2.nonce, error="weight 0"))
+    assert d.types[T.ENDPOINT].acked_version == r1.version  # a NACK keeps what the client holds
+    good = changed(BASE, "b", "10.0.1.1:80", 5)
+    [r3] = d.responses(snapshot(good))
+    d.receive(delta(T.ENDPOINT, nonce=r3.nonce))
+    assert d.types[T.ENDPOINT].acked_version == r3.version != r1.version
+
+
+def test_delta_keeps_the_node_of_the_first_request():
+    d = DeltaStream()
+    d.receive(delta(T.CLUSTER, node="envoy-1"))
+    [resp] = d.responses(snapshot(BASE))
+    # set_node_on_first_message_only: later requests carry no node
+    d.receive(delta(T.CLUSTER, nonce=resp.nonce))
+    d.receive(delta(T.ENDPOINT, sub=["a"]))
+    assert d.node is not None and d.node.id == "envoy-1"
 
 
 def test_delta_sends_only_changed_resources():

@@ -606,7 +606,51 @@ def test_guard_ends_a_stream_that_exceeds_its_request_rate(pki: Pki) -> None:
                                                       type_url=type_url))
                 assert await _final_status(call) == grpc.StatusCode.RESOURCE_EXHAUSTED
                 details = await call.details() or ""
-                assert f"request rate above 1/s (burst 2) for {EDGE_A_URI}@ipv4:127.0.0.1:" in details
+                assert details.endswith(f"request rate above 1/s (burst 2) for {EDGE_A_URI}@127.0.0.1")
+        finally:
+            await server.stop(None)
+    asyncio.run(body())
+    assert guard.denied["rate"] == 1
+
+
+def _own_connection(port: int, creds: grpc.ChannelCredentials) -> grpc.aio.Channel:
+    """A channel with its own TCP connection (grpcio shares subchannels across channels)."""
+    return grpc.aio.secure_channel(f"127.0.0.1:{port}", creds,
+                                   options=[("grpc.use_local_subchannel_pool", 1)])
+
+
+async def _ads_call(channel: grpc.aio.Channel) -> Any:
+    return channel.stream_stream(ADS, request_serializer=DiscoveryRequest.SerializeToString,
+                                 response_deserializer=DiscoveryResponse.FromString)()
+
+
+def test_connections_from_one_host_and_identity_share_a_rate_bucket(pki: Pki) -> None:
+    """Reconnecting (a new port) does not reset the bucket: the key is <SAN>@<IP>."""
+    controller, cache = published()
+    guard = make_guard(controller, RateLimiter(rate_per_s=1, burst=3))
+    guard.clock = lambda: 0.0  # no refill
+    who = node("envoy-1", "edge-a")
+
+    async def body() -> None:
+        servicer = GuardedServicer(cache, guard)
+        server, port = await start_xds_server(servicer, "127.0.0.1:0", credentials=mtls(pki))
+        creds = channel_creds(pki, pki.edge_a)
+        try:
+            async with _own_connection(port, creds) as first, \
+                    _own_connection(port, creds) as second:
+                one, two = await _ads_call(first), await _ads_call(second)
+                await one.write(DiscoveryRequest(node=who, type_url=T.CLUSTER))
+                await asyncio.wait_for(one.read(), 5)
+                await one.write(DiscoveryRequest(type_url=T.LISTENER))
+                await asyncio.wait_for(one.read(), 5)  # 2 of the 3 tokens used
+                await two.write(DiscoveryRequest(node=who, type_url=T.CLUSTER))
+                await asyncio.wait_for(two.read(), 5)
+                peers = {info.peer for info in servicer.streams}
+                assert len(peers) == 2 and {peer_host(p) for p in peers} == {"127.0.0.1"}
+                await two.write(DiscoveryRequest(type_url=T.LISTENER))  # the 4th: over
+                assert await _final_status(two) == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert (await two.details() or "").endswith(f"for {EDGE_A_URI}@127.0.0.1")
+                one.cancel()
         finally:
             await server.stop(None)
     asyncio.run(body())
@@ -652,6 +696,68 @@ def test_server_options_limit_request_size(pki: Pki) -> None:
     asyncio.run(body())
 
 
+async def _plain_server(cache: SnapshotCache, **kwargs: Any) -> tuple[grpc.aio.Server, int]:
+    return await start_xds_server(XdsServicer(cache), "127.0.0.1:0", **kwargs)
+
+
+async def _open_cds(channel: grpc.aio.Channel) -> tuple[Any, DiscoveryResponse]:
+    """An ADS stream that has got its first CDS response (so the server counts it)."""
+    call = await _ads_call(channel)
+    await call.write(DiscoveryRequest(node=node("envoy-1", "edge-a"), type_url=T.CLUSTER))
+    return call, await asyncio.wait_for(call.read(), 5)
+
+
+def test_max_streams_refuses_one_stream_over_the_server_wide_limit() -> None:
+    _, cache = published()
+
+    async def body() -> None:
+        server, port = await _plain_server(cache, maximum_concurrent_rpcs=2)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                open_calls = [(await _open_cds(channel))[0] for _ in range(2)]
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await _open_cds(channel)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                open_calls.pop().cancel()  # a slot frees up once a stream ends
+                for _ in range(50):
+                    try:
+                        open_calls.append((await _open_cds(channel))[0])
+                        break
+                    except grpc.aio.AioRpcError:
+                        await asyncio.sleep(0.05)
+                assert len(open_calls) == 2
+                for call in open_calls:
+                    call.cancel()
+        finally:
+            await server.stop(None)
+    asyncio.run(body())
+
+
+def test_max_connection_age_ends_the_stream_and_the_client_reconnects() -> None:
+    _, cache = published()
+
+    async def body() -> None:
+        servicer = XdsServicer(cache)
+        options = server_options(16, None, max_connection_age_s=1.0, max_connection_age_grace_s=0.2)
+        server, port = await start_xds_server(servicer, "127.0.0.1:0", options=options)
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                started = asyncio.get_running_loop().time()
+                call, first = await _open_cds(channel)
+                [first_peer] = [info.peer for info in servicer.streams]
+                assert await _final_status(call) == grpc.StatusCode.UNAVAILABLE
+                elapsed = asyncio.get_running_loop().time() - started
+                assert 0.85 <= elapsed < 4.0, elapsed  # 1 s (+/-10 %) + 0.2 s grace
+                assert "max connection age" in (await call.details() or "")
+                again, response = await _open_cds(channel)  # a new connection
+                assert response.resources == first.resources
+                assert [info.peer for info in servicer.streams] != [first_peer]
+                again.cancel()
+        finally:
+            await server.stop(None)
+    asyncio.run(body())
+
+
 # -- rate limiter ----------------------------------------------------------------------------
 
 
@@ -676,6 +782,12 @@ def test_rate_limiter_forgets_idle_peers() -> None:
     limiter.allow("new", 1.5)  # a 4th peer: the full buckets ("idle") are dropped
     assert len(limiter) == 3
     assert not limiter.allow("busy", 1.5)  # "busy" kept its (half-empty) bucket
+
+
+def test_rate_key_is_the_client_host_and_its_first_identity() -> None:
+    assert StreamAccess("ipv4:10.0.0.1:5000", []).rate_key == "10.0.0.1"
+    assert StreamAccess("ipv4:10.0.0.1:5001", ["spiffe://a", "b"]).rate_key == "spiffe://a@10.0.0.1"
+    assert StreamAccess("ipv6:[::1]:7", ["b"]).rate_key == "b@[::1]"
 
 
 def test_peer_host() -> None:

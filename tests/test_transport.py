@@ -9,6 +9,9 @@ import time
 import grpc
 import pytest
 from envoy.config.cluster.v3.cluster_pb2 import Cluster
+from envoy.config.endpoint.v3.endpoint_pb2 import ClusterLoadAssignment
+from envoy.config.listener.v3.listener_pb2 import Listener
+from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from envoy.service.discovery.v3.discovery_pb2 import (
     DeltaDiscoveryRequest,
     DeltaDiscoveryResponse,
@@ -20,16 +23,17 @@ from tests.xds_fixtures import BASE, snapshot
 from xds_server import metrics, transport
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
-from xds_server.transport import XdsServicer, start_xds_server
+from xds_server.snapshot import build_snapshot
+from xds_server.transport import INBOX_LIMIT, Inbox, XdsServicer, start_xds_server
 
 
-async def _with_server(body):
+async def _with_server(body, channel_options: list[tuple[str, int]] | None = None):
     cache = SnapshotCache()
     cache.set_snapshot(snapshot(BASE))
     servicer = XdsServicer(cache)
     server, port = await start_xds_server(servicer, "127.0.0.1:0")
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options) as channel:
             await body(channel, cache, servicer)
     finally:
         await server.stop(None)
@@ -164,3 +168,149 @@ def test_an_ack_of_a_stamped_assignment_is_observed_as_convergence():
     asyncio.run(_with_server(_two_eds_pushes))
     assert _convergence_count() == before + 1  # only b changed, and it was stamped
     assert metrics.SUBSCRIPTIONS.labels(type="eds", api="sotw")._value.get() == 0
+
+
+# ---- the per-type services ----------------------------------------------------------------
+
+_MESSAGES = {T.CLUSTER: Cluster, T.ENDPOINT: ClusterLoadAssignment, T.LISTENER: Listener,
+             T.ROUTE: RouteConfiguration}
+_SUBSCRIBE = {T.CLUSTER: [], T.ENDPOINT: ["a"], T.LISTENER: [], T.ROUTE: ["routes"]}
+_EXPECTED = {T.CLUSTER: ["a", "b"], T.ENDPOINT: ["a"], T.LISTENER: ["listener"],
+             T.ROUTE: ["routes"]}
+_PER_TYPE = [(service, methods[api], methods[2], api)
+             for service, methods in transport._SERVICES.items() if methods[2] is not None
+             for api in (0, 1)]
+
+
+def _resource_name(type_url: str, payload: bytes) -> str:
+    message = _MESSAGES[type_url].FromString(payload)
+    return message.cluster_name if type_url == T.ENDPOINT else message.name
+
+
+async def _per_type_exchange(channel, path: str, type_url: str, delta: bool) -> str:
+    """Subscribe on a per-type method (type_url left empty, as Envoy may), check the first
+    response, ACK it; returns the response's version."""
+    names = _SUBSCRIBE[type_url]
+    if delta:
+        call = channel.stream_stream(path, request_serializer=DeltaDiscoveryRequest.SerializeToString,
+                                     response_deserializer=DeltaDiscoveryResponse.FromString)()
+        await call.write(DeltaDiscoveryRequest(node={"id": "per-type"},
+                                               resource_names_subscribe=names))
+        resp = await asyncio.wait_for(call.read(), 5)
+        got = sorted(_resource_name(type_url, r.resource.value) for r in resp.resources)
+        await call.write(DeltaDiscoveryRequest(response_nonce=resp.nonce))
+        version = resp.system_version_info
+    else:
+        call = _sotw_call(channel, path)
+        await call.write(DiscoveryRequest(node={"id": "per-type"}, resource_names=names))
+        resp = await asyncio.wait_for(call.read(), 5)
+        got = sorted(_resource_name(type_url, a.value) for a in resp.resources)
+        await call.write(DiscoveryRequest(resource_names=names, response_nonce=resp.nonce,
+                                          version_info=resp.version_info))
+        version = resp.version_info
+    assert resp.type_url == type_url
+    assert got == _EXPECTED[type_url]
+    return version
+
+
+@pytest.mark.parametrize(("service", "method", "type_url", "api"), _PER_TYPE,
+                         ids=[f"{T.short_name(t)}-{'delta' if a else 'sotw'}"
+                              for _, _, t, a in _PER_TYPE])
+def test_every_per_type_service_serves_its_type_and_takes_the_ack(service, method, type_url, api):
+    async def body(channel, cache, servicer):
+        version = await _per_type_exchange(channel, f"/{service}/{method}", type_url, api == 1)
+        assert version  # SotW: the subscribed resources' version; Delta: the type's
+
+        def acked() -> str:
+            [info] = servicer.streams
+            return info.machine.types[type_url].acked_version
+
+        for _ in range(100):
+            if acked():
+                break
+            await asyncio.sleep(0.02)
+        assert acked() == version
+    asyncio.run(_with_server(body))
+
+
+# ---- inbound backpressure -----------------------------------------------------------------
+
+BIG = 16 * 2**20  # far more than a stream that does not read absorbs (~4 MiB, grpcio 1.85)
+
+
+def _big_cds():
+    """One cluster of BIG bytes: the server's write of it blocks until the client reads."""
+    return build_snapshot({T.CLUSTER: [Cluster(name="big", type=Cluster.STATIC,
+                                               alt_stat_name="x" * BIG)]})
+
+
+async def _write_all(call, requests: list[DiscoveryRequest], written: list[int]) -> None:
+    for request in requests:
+        await call.write(request)
+        written[0] += 1
+
+
+async def _until(predicate, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def _stalled(written: list[int], quiet_s: float = 0.3, timeout: float = 5.0) -> None:
+    """Until `written[0]` has not grown for `quiet_s`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = written[0]
+        await asyncio.sleep(quiet_s)
+        if written[0] == before:
+            return
+        assert time.monotonic() < deadline, "the client's writes never stalled"
+
+
+def test_inbox_put_waits_while_full_and_the_end_mark_never_waits():
+    async def body():
+        inbox = Inbox(limit=2)
+        await inbox.put("r1")
+        await inbox.put("r2")
+        third = asyncio.create_task(inbox.put("r3"))
+        await asyncio.sleep(0.01)
+        assert not third.done() and len(inbox) == 2
+        assert inbox.popleft() == "r1"
+        await asyncio.wait_for(third, 1)
+        inbox.end()  # full, yet the end of the stream is recorded at once
+        assert [inbox.popleft() for _ in range(len(inbox))] == ["r2", "r3", None]
+        assert inbox.max_seen == 2
+    asyncio.run(body())
+
+
+def test_a_client_that_writes_without_reading_is_held_to_the_inbox_bound():
+    """While the pump is blocked writing to a client that does not read, the stream reads at
+    most INBOX_LIMIT requests ahead; gRPC flow control then stalls the client's writes."""
+    flood = [DiscoveryRequest(node={"id": "flood"}, type_url=T.CLUSTER)] + [
+        DiscoveryRequest(type_url=T.CLUSTER, response_nonce="stale",
+                         resource_names=["pad-" + "x" * 2000])] * 5000  # ~10 MB of requests
+
+    async def body(channel, cache, servicer):
+        cache.set_snapshot(_big_cds())
+        call = _sotw_call(channel, "/envoy.service.discovery.v3.AggregatedDiscoveryService/"
+                                   "StreamAggregatedResources")
+        written = [0]
+        writer = asyncio.create_task(_write_all(call, flood, written))
+        await _until(lambda: any(len(s.inbox) >= INBOX_LIMIT for s in servicer.streams))
+        [info] = servicer.streams
+        await _stalled(written)
+        assert len(info.inbox) == info.inbox.max_seen == INBOX_LIMIT
+        assert not writer.done() and written[0] < len(flood)  # gRPC pushed back on the client
+        big = await asyncio.wait_for(call.read(), 5)
+        await asyncio.wait_for(writer, 10)
+        assert [len(Cluster.FromString(a.value).alt_stat_name) for a in big.resources] == [BIG]
+        await call.write(DiscoveryRequest(type_url=T.CLUSTER, response_nonce=big.nonce,
+                                          version_info=big.version_info))
+        cache.set_snapshot(snapshot(BASE))  # the stream still works: it gets the next push
+        small = await asyncio.wait_for(call.read(), 5)
+        assert sorted(Cluster.FromString(a.value).name for a in small.resources) == ["a", "b"]
+        assert info.machine.types[T.CLUSTER].acked_version == big.version_info
+        assert info.inbox.max_seen == INBOX_LIMIT
+        call.cancel()
+    asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)]))

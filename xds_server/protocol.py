@@ -112,6 +112,7 @@ class TypeState:
     pending_nonce: str | None = None  # awaiting ACK/NACK
     pending: dict[str, str] = field(default_factory=dict)
     pending_state: str | None = None
+    pending_version: str = ""  # the version the pending response carried
     last_nonce: str = ""
     force: bool = False  # the client needs an answer even if nothing changed
     acked_version: str = ""
@@ -190,12 +191,13 @@ class _Stream:
         return str(self._counter)
 
     def _settle(self, st: TypeState, nonce: str, version: str, error: object | None) -> Event:
-        """The client answered the pending response `nonce` with an ACK or a NACK."""
-        pending, state = st.pending, st.pending_state
-        st.pending_nonce, st.pending, st.pending_state = None, {}, None
+        """The client answered the pending response `nonce` with an ACK or a NACK. An ACK
+        without a version (every Delta ACK) accepted the version that response carried."""
+        pending, state, sent_version = st.pending, st.pending_state, st.pending_version
+        st.pending_nonce, st.pending, st.pending_state, st.pending_version = None, {}, None, ""
         if error is None:
-            st.acked_version = version
-            return Ack(st.type_url, nonce, version)
+            st.acked_version = version or sent_version
+            return Ack(st.type_url, nonce, st.acked_version)
         self.rejections.record(st.type_url, pending, state)
         return Nack(st.type_url, nonce, version, _error_detail(error), dict(pending))
 
@@ -204,7 +206,7 @@ class _Stream:
         nonce = self._next_nonce()
         st.pending_nonce = st.last_nonce = nonce
         st.pending = {res.name: res.version for res in resources}
-        st.pending_state = state
+        st.pending_state, st.pending_version = state, version
         st.force = False
         return Response(st.type_url, version, nonce, tuple(resources), removed)
 
@@ -270,7 +272,7 @@ class SotwStream(_Stream):
     def _initial(self, st: TypeState, client_version: str) -> None:
         """A request without nonce: a new stream or a re-subscription. It gets an answer unless
         the version it already holds (after a reconnect) is the one we would send."""
-        st.pending_nonce, st.pending, st.pending_state = None, {}, None
+        st.pending_nonce, st.pending, st.pending_state, st.pending_version = None, {}, None, ""
         st.sent, st.sent_state, st.force = {}, None, True
         st.acked_version, st.evaluated = client_version, None
 

@@ -568,10 +568,11 @@ class StreamAccess:
 
     @property
     def rate_key(self) -> str:
-        """Rate limits apply per connection (peer address and port) and certificate identity:
-        many Envoys behind one address (a node, a NAT, loopback in tests) each get a bucket,
-        and a misbehaving stream is cut without touching its neighbours."""
-        return f"{self.identities[0]}@{self.peer}" if self.identities else self.peer
+        """Rate limits apply per client host and certificate identity, ``<first SAN>@<IP>``
+        (else the IP): a client cannot reset its bucket by reconnecting from another port.
+        Clients behind one address (a NAT, one node) with the same identity share a bucket."""
+        host = peer_host(self.peer)
+        return f"{self.identities[0]}@{host}" if self.identities else host
 
 
 class XdsGuard:

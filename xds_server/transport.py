@@ -8,6 +8,11 @@ Per push, the labelled metric children are looked up once per (type, API). Each 
 info line while at most `PER_PUSH_LOG_STREAMS` streams are open; above that, per-push lines go to
 debug and info summarises the pushes per type once per `PushLog` window (1 s), so 1,000 streams
 make a handful of lines per tick, not 1,000.
+
+Inbound backpressure: a stream holds at most `INBOX_LIMIT` requests read but not yet handled.
+While its `Inbox` is full (the pump is blocked writing to a client that does not read) the
+stream stops reading, so gRPC's flow control pushes back on the client instead of requests
+piling up in memory.
 """
 
 from __future__ import annotations
@@ -62,6 +67,37 @@ def encode_delta(response: Response) -> bytes:
 
 
 PER_PUSH_LOG_STREAMS = 64  # above this many open streams, pushes are logged in summary
+INBOX_LIMIT = 64  # requests read from a stream and not yet handled
+
+
+class Inbox:
+    """A stream's requests read and not yet handled, at most `limit` of them; then `None`
+    once, the end of the stream (which never waits, so it may be one over `limit`)."""
+
+    def __init__(self, limit: int = INBOX_LIMIT) -> None:
+        self.limit = limit
+        self.max_seen = 0  # the most requests it ever held (the end-of-stream mark not counted)
+        self._items: deque = deque()
+        self._space = asyncio.Event()
+
+    async def put(self, request: object) -> None:
+        """Add `request`, first waiting while the inbox is full."""
+        while len(self._items) >= self.limit:
+            self._space.clear()
+            await self._space.wait()
+        self._items.append(request)
+        self.max_seen = max(self.max_seen, len(self._items))
+
+    def end(self) -> None:
+        self._items.append(None)
+
+    def popleft(self) -> object:
+        request = self._items.popleft()
+        self._space.set()
+        return request
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 @dataclass(frozen=True)
@@ -143,6 +179,7 @@ class StreamInfo:
     wake: asyncio.Event | None = None
     convergence: StreamConvergence | None = None
     types: set[str] = field(default_factory=set)  # type URLs counted in SUBSCRIPTIONS
+    inbox: Inbox = field(default_factory=Inbox)  # requests read, not yet handled
 
     @property
     def node_id(self) -> str:
@@ -200,7 +237,7 @@ class XdsServicer:
     async def _serve(self, info: StreamInfo, requests: AsyncIterator,
                      context: grpc.aio.ServicerContext) -> None:
         wake = info.wake = asyncio.Event()
-        inbox: deque = deque()
+        inbox = info.inbox
         unwatch = self.cache.watch_event(wake)
         reader = asyncio.create_task(self._read(requests, inbox, wake))
         self.streams.add(info)
@@ -223,18 +260,19 @@ class XdsServicer:
                                              api=info.api).dec()
 
     @staticmethod
-    async def _read(requests: AsyncIterator, inbox: deque, wake: asyncio.Event) -> None:
+    async def _read(requests: AsyncIterator, inbox: Inbox, wake: asyncio.Event) -> None:
+        """Move requests into `inbox`; while it is full, stop reading (flow control)."""
         try:
             async for request in requests:
-                inbox.append(request)
+                await inbox.put(request)
                 wake.set()
         except Exception as exc:  # noqa: BLE001 - any read failure just ends the stream
             log.debug("stream closed by peer: %r", exc)
         finally:
-            inbox.append(None)  # end of stream
+            inbox.end()
             wake.set()
 
-    async def _pump(self, info: StreamInfo, inbox: deque, wake: asyncio.Event,
+    async def _pump(self, info: StreamInfo, inbox: Inbox, wake: asyncio.Event,
                     reader: asyncio.Task, context: grpc.aio.ServicerContext) -> None:
         machine = info.machine
         while True:
