@@ -17,6 +17,7 @@ from xds_server.adapters import (
     histogram_from_signals,
     page_signals,
     parse_page,
+    screen_signals,
     windowed_mean,
 )
 from xds_server.telemetry import MetricsFormatError, parse_dcgm_memory
@@ -236,6 +237,21 @@ def test_negative_histogram_sum_is_rejected() -> None:
     reading = parse_page(text)
     assert "itl" not in reading.histograms and "ttft" in reading.histograms
     assert any(p.startswith("itl:") for p in reading.problems)
+
+
+def test_screen_keeps_valid_signals_and_describes_the_rest() -> None:
+    signals = {
+        "queue": 3, "running": 0.0, "kv_usage": 1.0, "gpu_mem_pct": 100.0, "itl_ms": 12.5,
+        "kv_capacity_tokens": 16.0, "itl_sum": 2.0, "itl_count": 9.0, "fb_used_mib": -1.0,
+    }
+    bad = {"kv_usage": math.nan, "queue": -1.0, "gpu_mem_pct": 100.5, "itl_ms": math.inf,
+           "kv_capacity_tokens": 0.0, "itl_count": -2.0, "running": True, "gpu_util_pct": "7"}
+    clean, problems = screen_signals(signals)
+    assert clean == {k: float(v) for k, v in signals.items()} and problems == ()
+    clean, problems = screen_signals({**signals, **bad})
+    assert clean.keys() == signals.keys() - bad.keys()
+    assert sorted(p.split(":")[0] for p in problems) == sorted(bad)
+    assert "kv_usage: value nan rejected, outside [0, 1]" in problems
 
 
 @pytest.mark.parametrize(

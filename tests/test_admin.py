@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest
 
@@ -11,7 +12,9 @@ from tests.test_controller import CONFIG, FakeScraper
 from xds_server import type_urls as T
 from xds_server.admin import AdminApi
 from xds_server.cache import SnapshotCache
+from xds_server.config import parse_config
 from xds_server.controller import Controller
+from xds_server.explain import explain_rows
 from xds_server.nack_log import NackLog
 from xds_server.protocol import SotwStream
 from xds_server.transport import StreamInfo, XdsServicer
@@ -54,6 +57,9 @@ def test_weights_document_shape():
         assert p["10.0.0.1:80"]["signals"]["gpu_mem_pct"] == 20.0
         assert isinstance(p["10.0.0.1:80"]["updated_at"], float)
         assert doc["pools"]["q"]["10.0.1.1:80"]["stale"] is True
+        assert p["10.0.0.1:80"]["problems"] == []
+        assert p["10.0.0.1:80"]["breakdown"]["inputs"] == {"gpu_mem_pct": 20.0}
+        assert p["10.0.0.1:80"]["breakdown"]["capacity"] is None  # gpu_memory: no scaling
     asyncio.run(_run(body))
 
 
@@ -82,3 +88,47 @@ def test_snapshot_nacks_config_and_metrics():
         missing = await client.get("/v1/nope")
         assert missing.status == 404 and (await missing.json())["error"]["status"] == 404
     asyncio.run(_run(body))
+
+
+STATIC = parse_config({
+    "telemetry": {"source": "static", "stale_after_seconds": 3},
+    "weights": {"policy": "composite"},
+    "pools": [{"name": "s", "model": "m", "endpoints": [
+        {"address": "10.0.2.1:80",
+         "signals": {"kv_usage": 0.5, "queue": 8, "kv_capacity_tokens": 20000}},
+        {"address": "10.0.2.2:80", "capacity": 10000,
+         "signals": {"kv_usage": 0.2, "queue": 0, "gpu_util_pct": float("nan")}},
+    ]}],
+})
+
+
+def test_weights_document_carries_the_breakdown_trimtab_weights_shows():
+    async def scenario():
+        controller = Controller(STATIC, SnapshotCache(), clock=lambda: 1000.0)
+        api = AdminApi(controller, lambda: True)
+        try:
+            async with TestClient(TestServer(api.app())) as client:
+                await controller.tick()
+                return controller, await (await client.get("/v1/weights")).json()
+        finally:
+            await controller.close()
+
+    controller, doc = asyncio.run(scenario())
+    big, small = doc["pools"]["s"]["10.0.2.1:80"], doc["pools"]["s"]["10.0.2.2:80"]
+    assert big["breakdown"]["normalised"] == {"memory": 0.5, "queue": 0.25}
+    assert big["breakdown"]["mix"] == pytest.approx({"memory": 0.4 / 0.75, "queue": 0.35 / 0.75})
+    assert big["breakdown"]["shares"] == pytest.approx({"memory": 0.4 / 1.5, "queue": 0.35})
+    assert (big["breakdown"]["capacity"], big["breakdown"]["capacity_tokens"]) == (1.0, 20000.0)
+    assert big["breakdown"]["inputs"]["capacity"] == 20000.0
+    assert big["breakdown"]["target_weight"] == big["weight"] == 62
+    assert (small["breakdown"]["capacity"], small["breakdown"]["capacity_tokens"]) == (0.5, 10000)
+    assert small["weight"] == 45 and big["problems"] == []
+    assert small["problems"] == ["gpu_util_pct: value nan rejected, outside [0, 100]"]
+    assert "input problems: gpu_util_pct" in small["reason"]
+    rows = {row["endpoint"]: row for row in explain_rows(controller)}
+    for address, served in doc["pools"]["s"].items():
+        row = rows[address]
+        assert {k: served["breakdown"][k] for k in ("normalised", "shares")} == \
+            {k: row[k] for k in ("normalised", "shares")}
+        assert row["capacity"] == served["breakdown"]["capacity"]
+        assert row["problems"] == served["problems"]

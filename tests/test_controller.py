@@ -1,10 +1,17 @@
-"""The tick loop without I/O: a fake scraper feeds results; the real cache receives snapshots."""
+"""The tick loop: a fake scraper feeds results (or real pages over HTTP); the real cache
+receives snapshots."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import math
+from dataclasses import replace
 
+import pytest
+from aiohttp import web
 from envoy.config.cluster.v3 import cluster_pb2
+from prometheus_client import REGISTRY
 
 from tests.xds_fixtures import cluster
 from xds_server import type_urls as T
@@ -137,3 +144,131 @@ def test_clusters_follow_the_configured_lb_policy_and_merge_window():
     cla = cache.snapshot.of_type(T.ENDPOINT)["p"].message
     assert cla.endpoints[0].load_balancing_weight.value >= 1
     assert cla.endpoints[0].locality.zone
+
+
+# --- warm-up ---------------------------------------------------------------------------------
+
+
+def test_unreachable_from_start_warms_up_only_until_stale_after():
+    controller, scraper, cache, clock = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.1.1:80": 0.0}  # 10.0.0.2 never answers
+    asyncio.run(controller.tick())
+    warming = controller.weights["p"].endpoints["10.0.0.2:80"]
+    assert (warming.weight, warming.health, warming.saturated) == (10, "WARMING", False)
+    assert warming.reason.startswith("warming up: no telemetry yet (connect: refused)")
+    clock[0] += 3  # exactly stale_after_seconds since first seen: still warming
+    asyncio.run(controller.tick())
+    assert eds_weights(cache, "p")["10.0.0.2:80"] == 10
+    clock[0] += 1
+    asyncio.run(controller.tick())
+    gone = controller.weights["p"].endpoints["10.0.0.2:80"]
+    assert (gone.weight, gone.saturated, gone.stale) == (1, True, True)
+    assert eds_weights(cache, "p") == {"10.0.0.1:80": 90, "10.0.0.2:80": 1}
+    scraper.pct["10.0.0.2:80"] = 60.0  # answers at last: weighted by the formula
+    clock[0] += 1
+    asyncio.run(controller.tick())
+    assert eds_weights(cache, "p")["10.0.0.2:80"] == 70
+
+
+def test_hold_staleness_does_not_hold_a_warm_up_weight():
+    config = parse_config({
+        "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
+        "weights": {"policy": "composite", "composite": {"staleness": "hold"}},
+        "pools": [{"name": "p", "model": "m", "endpoints": [{"address": "10.0.0.1:80"},
+                                                             {"address": "10.0.0.2:80"}]}],
+    })
+    clock = [1000.0]
+    controller = Controller(config, SnapshotCache(), scraper=FakeScraper(), clock=lambda: clock[0])
+    good = ScrapeResult({"kv_usage": 0.2, "queue": 0.0}, None, 1000.0)
+    controller.ingest({"10.0.0.1:80": good})
+    assert controller.weights["p"].endpoints["10.0.0.2:80"].weight == 10
+    clock[0] = 1004.0
+    controller.ingest({"10.0.0.1:80": replace(good, collected_at=1004.0)})
+    assert controller.weights["p"].endpoints["10.0.0.2:80"].weight == 1  # not 10, held forever
+
+
+# --- rejected inputs -------------------------------------------------------------------------
+
+COMPOSITE = parse_config({
+    "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
+    "weights": {"policy": "composite"},
+    "pools": [{"name": "c", "model": "m", "endpoints": [
+        {"address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:1/nan"},
+        {"address": "127.0.0.1:2", "metrics_url": "http://127.0.0.1:1/ok"}]}],
+})
+
+
+def _vllm_page(kv: str, queue: int) -> str:
+    rows = {"vllm:kv_cache_usage_perc": kv, "vllm:num_requests_waiting": queue,
+            "vllm:num_requests_running": 1}
+    return "".join(f'# TYPE {name} gauge\n{name}{{model_name="m"}} {value}\n'
+                   for name, value in rows.items())
+
+
+async def _pages(pages: dict[str, str]) -> tuple[web.AppRunner, int]:
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text=pages[request.path])
+
+    app = web.Application()
+    for path in pages:
+        app.router.add_get(path, page)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+def _with_port(config, port: int):
+    pool = config.pools[0]
+    endpoints = [ep.model_copy(update={"metrics_url": ep.metrics_url.replace(":1/", f":{port}/")})
+                 for ep in pool.endpoints]
+    return config.model_copy(update={"pools": [pool.model_copy(update={"endpoints": endpoints})]})
+
+
+def _errors(pool: str) -> float:
+    return REGISTRY.get_sample_value("trimtab_telemetry_errors_total", {"pool": pool}) or 0.0
+
+
+def test_nan_kv_usage_flags_the_endpoint_and_never_reaches_its_weight(caplog):
+    async def scenario() -> Controller:
+        runner, port = await _pages({"/nan": _vllm_page("NaN", 8), "/ok": _vllm_page("0.5", 8)})
+        clock = [1000.0]
+        controller = Controller(_with_port(COMPOSITE, port), SnapshotCache(),
+                                clock=lambda: clock[0])
+        try:
+            for _ in range(2):
+                await controller.tick()
+                clock[0] += 1
+        finally:
+            await controller.close()
+            await runner.cleanup()
+        return controller
+
+    before = _errors("c")
+    with caplog.at_level(logging.WARNING, logger="trimtab.controller"):
+        controller = asyncio.run(scenario())
+    flagged = controller.weights["c"].endpoints["127.0.0.1:1"]
+    assert flagged.problems and flagged.problems[0].startswith("kv_usage: ")
+    assert "nan" in flagged.problems[0] and "input problems: kv_usage" in flagged.reason
+    assert flagged.health == "HEALTHY" and "kv_usage" not in flagged.signals
+    assert "norm.memory" not in flagged.breakdown and "input.kv_usage" not in flagged.breakdown
+    assert flagged.weight == 75  # queue alone: 1 - 8/32
+    assert controller.weights["c"].endpoints["127.0.0.1:2"].problems == ()
+    assert _errors("c") - before == 2  # one flagged read per tick
+    logged = [r for r in caplog.records if "input problems" in r.getMessage()]
+    assert len(logged) == 1 and "c/127.0.0.1:1" in logged[0].getMessage()  # once per change
+
+
+@pytest.mark.parametrize("bad", [math.nan, -1.0, 1.5, math.inf])
+def test_out_of_range_signal_from_any_source_is_screened(bad: float):
+    controller = Controller(COMPOSITE, SnapshotCache(), scraper=FakeScraper(),
+                            clock=lambda: 1000.0)
+    controller.ingest({"127.0.0.1:1": ScrapeResult({"kv_usage": bad, "queue": 8.0}, None, 1000.0),
+                       "127.0.0.1:2": ScrapeResult({"kv_usage": 0.5, "queue": 8.0}, None, 1000.0)})
+    flagged = controller.weights["c"].endpoints["127.0.0.1:1"]
+    assert flagged.weight == 75 and flagged.health == "HEALTHY"
+    assert flagged.problems == (f"kv_usage: value {bad!r} rejected, outside [0, 1]",)
+    assert controller.stats.problems == {"c/127.0.0.1:1": flagged.problems}
+    controller.ingest({"127.0.0.1:1": ScrapeResult({"kv_usage": 0.5, "queue": 8.0}, None, 1000.0)})
+    assert controller.weights["c"].endpoints["127.0.0.1:1"].problems == ()
+    assert controller.stats.problems == {}

@@ -22,6 +22,7 @@ from xds_server.promql import (
     PromQLError,
     PromQLResult,
     PromQLSource,
+    Vector,
     default_queries,
     merge_answers,
     parse_vector,
@@ -58,11 +59,13 @@ def vector(*series: tuple[dict[str, str], str]) -> str:
 
 
 def test_parse_recorded_answers() -> None:
-    assert parse_vector(RECORDED_KV, "instance") == ({"127.0.0.1:18301": 0.25}, [])
-    assert parse_vector(RECORDED_RAW.encode(), "instance") == ({"127.0.0.1:18301": 0.25}, [])
-    assert parse_vector(RECORDED_EMPTY, "instance") == ({}, [])
-    values, problems = parse_vector(RECORDED_NAN, "instance")
+    assert parse_vector(RECORDED_KV, "instance") == Vector({"127.0.0.1:18301": 0.25}, [], {})
+    raw = parse_vector(RECORDED_RAW.encode(), "instance")
+    assert raw == Vector({"127.0.0.1:18301": 0.25}, [], {})
+    assert parse_vector(RECORDED_EMPTY, "instance") == Vector({}, [], {})
+    values, problems, by_key = parse_vector(RECORDED_NAN, "instance")
     assert values == {} and problems == ["instance='127.0.0.1:18301' is nan"]
+    assert by_key == {"127.0.0.1:18301": ["instance='127.0.0.1:18301' is nan"]}
 
 
 def test_parse_other_label_missing_label_and_duplicates() -> None:
@@ -72,11 +75,12 @@ def test_parse_other_label_missing_label_and_duplicates() -> None:
         ({"instance": "x"}, "1"),
         ({"pod": "vllm-0"}, "5"),
     )
-    values, problems = parse_vector(body, "pod")
+    values, problems, by_key = parse_vector(body, "pod")
     assert values == {"vllm-0": 5.0}
     assert len(problems) == 3
     assert any("has no 'pod' label" in p for p in problems)
     assert any("appears twice" in p for p in problems)
+    assert sorted(by_key) == ["vllm-0", "vllm-1"]  # the unlabelled series names no endpoint
 
 
 @pytest.mark.parametrize(
@@ -112,7 +116,7 @@ def test_parse_mixes_plain_and_irregular_series() -> None:
         {"metric": {"instance": "c:1"}, "value": [1796123661.3, 2]},  # a number, not a string
     ]
     body = json.dumps({"status": "success", "data": {"resultType": "vector", "result": series}})
-    values, problems = parse_vector(body, "instance")
+    values, problems, _ = parse_vector(body, "instance")
     assert values == {"a:1": 0.5, "c:1": 2.0}
     assert problems == [
         "series {'job': 'x'} has no 'instance' label",
@@ -148,20 +152,24 @@ def test_parse_leaves_the_garbage_collector_as_it_was(enabled: bool) -> None:
 
 def test_merge_answers_maps_and_keeps_order() -> None:
     answers: dict[str, Answer] = {
-        "kv_usage": ({"x": 0.5, "y": 0.1, "z": 0.9}, ["dup"]),
+        "kv_usage": Vector({"x": 0.5, "y": 0.1, "z": 0.9}, ["dup", "x nan"], {"x": ["x nan"]}),
         "queue": "timeout: no answer within 2s",
-        "itl_ms": ({"y": 30.0, "x": 20.0, "w": 1.0}, []),
+        "itl_ms": Vector({"y": 30.0, "x": 20.0, "w": 1.0}, [], {}),
     }
     plain = merge_answers(answers)
     assert list(plain.values) == ["x", "y", "z", "w"]
     assert plain.values["x"] == {"kv_usage": 0.5, "itl_ms": 20.0}
     assert plain.errors == {"queue": "timeout: no answer within 2s"}
-    assert plain.problems == ("kv_usage: dup",)
+    assert plain.problems == ("kv_usage: dup", "kv_usage: x nan")
+    assert plain.endpoint_problems == {"x": ["kv_usage: x nan"]}
     mapped = merge_answers(answers, {"x": "pod-a:1", "y": "pod-b:1", "w": "pod-b:1"})
     assert mapped.values == {
         "pod-a:1": {"kv_usage": 0.5, "itl_ms": 20.0},
         "pod-b:1": {"kv_usage": 0.1, "itl_ms": 1.0},  # two labels, one address: the last wins
     }
+    assert mapped.endpoint_problems == {"pod-a:1": ["kv_usage: x nan"]}
+    unknown = merge_answers(answers, {"y": "pod-b:1"})
+    assert unknown.endpoint_problems == {}  # a label value naming no endpoint
 
 
 def test_default_queries_follow_the_label() -> None:
@@ -169,6 +177,7 @@ def test_default_queries_follow_the_label() -> None:
     assert set(queries) == {"kv_usage", "queue", "running", "itl_ms", "gpu_mem_pct"}
     assert all("by (pod)" in q for q in queries.values())
     assert "[30s]" in queries["itl_ms"]
+    assert queries["itl_ms"].endswith("[30s])) > 0)")  # idle: no series rather than NaN
     assert default_queries()["kv_usage"] == "max by (instance) (vllm:kv_cache_usage_perc)"
 
 

@@ -288,7 +288,8 @@ def test_store_keeps_last_good_sample_on_failure() -> None:
     store.record("a:1", failed(NOW + 2))
     store.record("a:1", failed(NOW + 4, "connect: refused"))
     assert store.observations(["a:1"]) == {
-        "a:1": Observation(Sample(NOW, {"gpu_mem_pct": 40.0}), error="connect: refused")
+        "a:1": Observation(Sample(NOW, {"gpu_mem_pct": 40.0}), error="connect: refused",
+                           first_seen=NOW)
     }
 
 
@@ -297,14 +298,15 @@ def test_store_success_replaces_sample_and_clears_error() -> None:
     store.record("a:1", ok(40.0, NOW))
     store.record("a:1", failed(NOW + 2))
     store.record("a:1", ok(90.0, NOW + 4))
-    assert store.observations(["a:1"])["a:1"] == Observation(Sample(NOW + 4, {"gpu_mem_pct": 90.0}))
+    assert store.observations(["a:1"])["a:1"] == Observation(
+        Sample(NOW + 4, {"gpu_mem_pct": 90.0}), first_seen=NOW)
 
 
 def test_store_failure_before_any_success_and_unknown_addresses() -> None:
     store = TelemetryStore()
     store.record("a:1", failed(NOW, "http: status 500"))
     assert store.observations(["a:1", "b:1"]) == {
-        "a:1": Observation(sample=None, error="http: status 500"),
+        "a:1": Observation(sample=None, error="http: status 500", first_seen=NOW),
         "b:1": Observation(sample=None, error=None),
     }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -17,6 +18,7 @@ from weight_calculator import (
     compute_pool_weights,
     gpu_memory_weight,
 )
+from weight_calculator.adjust import WARMING, flag_problems, warm_up, without_warm_up
 
 NOW = 1_700_000_000.0
 POLICY = GpuMemoryPolicy(stale_after_seconds=6.0)
@@ -217,3 +219,51 @@ def test_weights_always_valid(pcts_by_endpoint: dict[str, float], ages: list[flo
     assert set(result.endpoints) == set(pool)
     assert all(1 <= e.weight <= 100 for e in result.endpoints.values())
     assert result == compute_pool_weights(pool, POLICY, NOW, None)
+
+
+# --- warm-up and flagged inputs (weight_calculator.adjust) -------------------------------
+
+
+def _pool(*addresses: str) -> PoolWeights:
+    return compute_pool_weights({a: obs(40.0) for a in addresses}, POLICY, NOW, None)
+
+
+def test_warm_up_lasts_only_the_window_after_first_seen() -> None:
+    weights = compute_pool_weights(
+        {"a:1": obs(40.0), "b:1": obs(None, error="connect: refused")}, POLICY, NOW, None
+    )
+    young = {"a:1": obs(40.0), "b:1": Observation(None, "connect: refused", first_seen=NOW - 6)}
+    warmed = warm_up(weights, young, 10, 6.0, NOW)
+    assert warmed.endpoints["b:1"].weight == 10 and warmed.endpoints["b:1"].health == WARMING
+    assert not warmed.endpoints["b:1"].saturated
+    assert warmed.endpoints["a:1"] == weights.endpoints["a:1"]
+    old = {**young, "b:1": Observation(None, "connect: refused", first_seen=NOW - 6.5)}
+    assert warm_up(weights, old, 10, 6.0, NOW).endpoints["b:1"].weight == 1
+    unknown = {**young, "b:1": Observation(None, "connect: refused")}
+    assert warm_up(weights, unknown, 10, 6.0, NOW).endpoints["b:1"].weight == 1
+
+
+def test_warm_up_leaves_a_fail_static_pool_alone() -> None:
+    held = PoolWeights({"a:1": dataclasses.replace(_pool("a:1").endpoints["a:1"], weight=33)},
+                       fail_static=True)
+    young = {"a:1": Observation(None, None, first_seen=NOW)}
+    assert warm_up(held, young, 10, 6.0, NOW) is held
+
+
+def test_without_warm_up_drops_only_warm_up_weights() -> None:
+    pool = _pool("a:1", "b:1")
+    warm = dataclasses.replace(pool.endpoints["b:1"], weight=10, health=WARMING)
+    previous = PoolWeights({"a:1": pool.endpoints["a:1"], "b:1": warm}, fail_static=False)
+    assert set(without_warm_up(previous).endpoints) == {"a:1"}  # type: ignore[union-attr]
+    assert without_warm_up(pool) is pool and without_warm_up(None) is None
+
+
+def test_flag_problems_copies_sample_problems_into_weight_and_reason() -> None:
+    bad = Sample(NOW - 1, {"gpu_mem_pct": 40.0}, problems=("gpu_util_pct: is nan",))
+    observations = {"a:1": Observation(bad), "b:1": obs(40.0)}
+    flagged = flag_problems(compute_pool_weights(observations, POLICY, NOW, None), observations)
+    assert flagged.endpoints["a:1"].problems == ("gpu_util_pct: is nan",)
+    assert flagged.endpoints["a:1"].reason == "ok; input problems: gpu_util_pct: is nan"
+    assert flagged.endpoints["a:1"].weight == 80 and flagged.endpoints["b:1"].problems == ()
+    clean = compute_pool_weights({"b:1": obs(40.0)}, POLICY, NOW, None)
+    assert flag_problems(clean, {"b:1": obs(40.0)}) is clean

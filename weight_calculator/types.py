@@ -13,6 +13,9 @@ class Sample:
 
     collected_at: float  # unix seconds when it was read
     signals: Mapping[str, float] = field(default_factory=dict)
+    # Inputs present on the read but rejected (NaN, negative, out of range) or partly failed
+    # (e.g. the node's DCGM page), one line each; they are never in ``signals``.
+    problems: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class Observation:
 
     sample: Sample | None  # last GOOD sample, or None if never read successfully
     error: str | None = None  # error of the LATEST attempt; None if it succeeded
+    first_seen: float | None = None  # unix seconds the endpoint was first known (warm-up)
 
 
 @dataclass(frozen=True)
@@ -55,8 +59,9 @@ class EndpointWeight:
     updated_at: float | None  # collected_at of the sample used, None if none
     reason: str = ""  # short human reason, e.g. "ok", "no telemetry yet", "fail-static"
     # Added for the composite policy; defaults keep older producers/consumers working.
-    health: str = "HEALTHY"  # HEALTHY | DEGRADED | STALE | INVALID
+    health: str = "HEALTHY"  # HEALTHY | DEGRADED | STALE | INVALID | WARMING
     breakdown: Mapping[str, float] = field(default_factory=dict)  # inputs, normalised, shares
+    problems: tuple[str, ...] = ()  # rejected or partly failed inputs (see Sample.problems)
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,44 @@ def page_signals(text: str) -> dict[str, float]:
     return parse_page(text).signals()
 
 
+# Valid range of each normalised signal (inclusive); histogram ``_sum``/``_count`` are >= 0
+# and any other signal only has to be finite.
+SIGNAL_BOUNDS: Mapping[str, tuple[float, float]] = {
+    "queue": (0.0, math.inf),
+    "running": (0.0, math.inf),
+    "kv_usage": (0.0, 1.0),
+    "gpu_mem_pct": (0.0, 100.0),
+    "gpu_util_pct": (0.0, 100.0),
+    "kv_capacity_tokens": (1.0, math.inf),
+    "capacity": (1.0, math.inf),
+    "itl_ms": (0.0, math.inf),
+}
+_ANY = (-math.inf, math.inf)
+_COUNTER = (0.0, math.inf)
+
+
+def _bounds(name: str) -> tuple[float, float]:
+    found = SIGNAL_BOUNDS.get(name)
+    if found is not None:
+        return found
+    return _COUNTER if name.endswith(("_sum", "_count")) else _ANY
+
+
+def screen_signals(signals: Mapping[str, float]) -> tuple[dict[str, float], tuple[str, ...]]:
+    """``(valid signals, problems)``: a NaN, infinite, non-numeric or out-of-range value is
+    dropped and described, so that it can never reach a weight, whatever the source."""
+    clean: dict[str, float] = {}
+    problems: list[str] = []
+    for name, value in signals.items():
+        lo, hi = _bounds(name)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if number and _valid(float(value), lo, hi):
+            clean[name] = float(value)
+        else:
+            problems.append(f"{name}: value {value!r} rejected, outside [{lo:g}, {hi:g}]")
+    return clean, tuple(problems)
+
+
 # --- page indexing ----------------------------------------------------------------------------
 
 

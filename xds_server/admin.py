@@ -19,6 +19,7 @@ from weight_calculator.types import EndpointWeight
 from . import type_urls
 from .config import EndpointConfig
 from .controller import Controller
+from .explain import breakdown_document
 from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
@@ -34,7 +35,8 @@ ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
 
 
 def weights_document(controller: Controller) -> dict[str, Any]:
-    """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at."""
+    """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at, the
+    input problems and the breakdown `trimtab weights` shows."""
     pools: dict[str, Any] = {}
     for pool in controller.config.pools:
         endpoints = {}
@@ -61,6 +63,8 @@ def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, clus
         "cluster": cluster,
         "version": version,
         "health": ew.health if ew else "STALE",
+        "problems": list(ew.problems) if ew else [],
+        "breakdown": breakdown_document(endpoint, ew),
     }
 
 

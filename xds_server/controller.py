@@ -20,6 +20,7 @@ from google.protobuf.message import Message
 from weight_calculator.types import PoolWeights
 
 from . import metrics, type_urls
+from .adapters import screen_signals
 from .autoscale import Autoscaler
 from .cache import SnapshotCache
 from .config import Config, EndpointConfig
@@ -45,6 +46,7 @@ class TickStats:
     last_tick_at: float | None = None
     last_error: str | None = None
     stale: dict[str, bool] = field(default_factory=dict)  # "pool/address" -> stale
+    problems: dict[str, tuple[str, ...]] = field(default_factory=dict)  # flagged endpoints
 
 
 class Controller:
@@ -132,14 +134,10 @@ class Controller:
 
     def ingest(self, results: dict[str, ScrapeResult]) -> None:
         """Record telemetry and recompute every pool's weights (pure function per pool)."""
-        for address, result in results.items():
-            if result.signals is not None:
-                plain, slo = split_signals(result.signals)
-                self.slo.record(address, result.collected_at, slo)
-                self.latency.record(address, result.collected_at, plain)
-                result = replace(result, signals=plain)
-            self.store.record(address, result)
+        results = {address: self._record(address, r) for address, r in results.items()}
         now = self.clock()
+        self.store.seen((ep.address for pool in self.config.pools
+                         for ep in pool.all_endpoints()), now)
         weights = {}
         for pool in self.config.pools:
             for cluster, _, endpoints in pool.clusters():
@@ -148,6 +146,17 @@ class Controller:
                                                    self.latency, now, self.weights.get(cluster))
                 self._note_pool(cluster, weights[cluster], results)
         self.weights = weights
+
+    def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
+        """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
+        if result.signals is not None:
+            plain, slo = split_signals(result.signals)
+            self.slo.record(address, result.collected_at, slo)
+            clean, rejected = screen_signals(plain)
+            self.latency.record(address, result.collected_at, clean)
+            result = replace(result, signals=clean, problems=result.problems + rejected)
+        self.store.record(address, result)
+        return result
 
     def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
         stale_count = 0
@@ -160,14 +169,27 @@ class Controller:
                         f": {error}" if ew.stale and error else "")
             self.stats.stale[key] = ew.stale
             stale_count += ew.stale
+            self._note_problems(key, ew.problems)
             metrics.ENDPOINT_WEIGHT.labels(pool=pool, endpoint=address).set(ew.weight)
             metrics.ENDPOINT_STALE.labels(pool=pool, endpoint=address).set(int(ew.stale))
             for signal, value in ew.signals.items():
                 metrics.ENDPOINT_SIGNAL.labels(pool=pool, endpoint=address, signal=signal).set(value)
-            if address in results and results[address].error:
+            read = results.get(address)
+            if read is not None and (read.error or read.problems):
                 metrics.SCRAPE_ERRORS.labels(pool=pool).inc()
         metrics.STALE_ENDPOINTS.labels(pool=pool).set(stale_count)
         metrics.POOL_FAIL_STATIC.labels(pool=pool).set(int(weights.fail_static))
+
+    def _note_problems(self, key: str, problems: tuple[str, ...]) -> None:
+        """Log an endpoint's rejected inputs once per change (and once when they clear)."""
+        if self.stats.problems.get(key, ()) == problems:
+            return
+        if problems:
+            log.warning("endpoint %s telemetry input problems: %s", key, "; ".join(problems))
+            self.stats.problems[key] = problems
+        else:
+            log.info("endpoint %s telemetry input problems cleared", key)
+            del self.stats.problems[key]
 
     def settings(self) -> dict[str, dict[str, EndpointSetting]]:
         """cluster -> address -> EDS setting."""

@@ -32,7 +32,7 @@ TICK_SECONDS = Histogram("trimtab_tick_duration_seconds",
                          "One telemetry tick: scrape, weigh, build and publish",
                          buckets=_LATENCY_BUCKETS)
 SCRAPE_ERRORS = Counter("trimtab_telemetry_errors_total",
-                        "Failed telemetry reads, by pool", ["pool"])
+                        "Failed or partly rejected telemetry reads, by pool", ["pool"])
 ENDPOINT_WEIGHT = Gauge("trimtab_endpoint_weight", "Current load_balancing_weight",
                         ["pool", "endpoint"])
 ENDPOINT_SIGNAL = Gauge("trimtab_endpoint_signal", "Current telemetry input of an endpoint",

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 
@@ -28,8 +28,9 @@ def default_queries(
 ) -> dict[str, str]:
     """Default signal -> PromQL map for vLLM plus DCGM, aggregated ``by (label)``.
 
-    ``itl_ms`` is the mean inter-token latency over ``rate_window`` (NaN, hence dropped,
-    while an endpoint has no traffic). ``gpu_mem_pct`` assumes the DCGM series carry the
+    ``itl_ms`` is the mean inter-token latency over ``rate_window``; while an endpoint has
+    no traffic its series is filtered out (``> 0``) rather than answered as NaN, so an idle
+    endpoint is not flagged for a rejected value. ``gpu_mem_pct`` assumes the DCGM series carry the
     same ``label`` value as the model server (e.g. a per-pod ``pod`` label, or an exporter
     scraped under the model server's ``instance``); otherwise override it, for example with
     ``label_replace``.
@@ -42,7 +43,7 @@ def default_queries(
         "running": f"sum {by} (vllm:num_requests_running)",
         "itl_ms": (
             f"1000 * sum {by} (rate({itl}_sum[{rate_window}]))"
-            f" / sum {by} (rate({itl}_count[{rate_window}]))"
+            f" / (sum {by} (rate({itl}_count[{rate_window}])) > 0)"
         ),
         "gpu_mem_pct": (
             f"max {by} (100 * DCGM_FI_DEV_FB_USED / (DCGM_FI_DEV_FB_USED + DCGM_FI_DEV_FB_FREE))"
@@ -61,12 +62,23 @@ class PromQLResult:
     ``values`` maps endpoint address -> signal -> value (only addresses with at least one
     value appear); ``errors`` maps each failed signal to ``"<kind>: <detail>"`` (kinds:
     ``connect``, ``timeout``, ``http``, ``prometheus``, ``format``); ``problems`` lists
-    series that were skipped (missing label, non-finite value, duplicate address).
+    series that were skipped (missing label, non-finite value, duplicate address), and
+    ``endpoint_problems`` those of them that name an endpoint, by its address.
     """
 
     values: dict[str, dict[str, float]]
     errors: dict[str, str] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
+    endpoint_problems: dict[str, list[str]] = field(default_factory=dict)
+
+
+class Vector(NamedTuple):
+    """A parsed instant vector: ``label value -> value``, every problem, and the problems
+    that name a label value (a non-finite value, a duplicate), by that value."""
+
+    values: dict[str, float]
+    problems: list[str]
+    by_key: dict[str, list[str]]
 
 
 def _series_value(series: Any) -> float:
@@ -124,7 +136,7 @@ def _slow_series(series: Any, label: str) -> tuple[Any, float]:
     return key, _series_value(series)
 
 
-def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[str]]:
+def parse_vector(body: bytes | str, label: str) -> Vector:
     """Parse an ``/api/v1/query`` answer into ``label value -> float``, plus problems.
 
     Series without ``label`` or with a non-finite value are skipped; if two series share a
@@ -135,9 +147,10 @@ def parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[
         return _parse_vector(body, label)
 
 
-def _parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list[str]]:
+def _parse_vector(body: bytes | str, label: str) -> Vector:
     values: dict[str, float] = {}
     problems: list[str] = []
+    by_key: dict[str, list[str]] = {}
     isfinite = math.isfinite
     for series in _answer(body)["result"]:
         try:  # the plain shape: {"metric": {label: key, ...}, "value": [time, "number"]}
@@ -148,16 +161,21 @@ def _parse_vector(body: bytes | str, label: str) -> tuple[dict[str, float], list
         if key is None:
             problems.append(f"series {_metric(series)} has no {label!r} label")
         elif not isfinite(value):
-            problems.append(f"{label}={key!r} is {value!r}")
+            _problem(problems, by_key, key, f"{label}={key!r} is {value!r}")
         elif key in values:
-            problems.append(f"{label}={key!r} appears twice; kept the larger value")
+            _problem(problems, by_key, key, f"{label}={key!r} appears twice; kept the larger value")
             values[key] = max(values[key], value)
         else:
             values[key] = value
-    return values, problems
+    return Vector(values, problems, by_key)
 
 
-Answer = tuple[dict[str, float], list[str]] | str  # parse_vector output, or an error
+def _problem(problems: list[str], by_key: dict[str, list[str]], key: Any, text: str) -> None:
+    problems.append(text)
+    by_key.setdefault(str(key), []).append(text)
+
+
+Answer = Vector | str  # parse_vector output, or an error
 
 
 def merge_answers(
@@ -168,12 +186,17 @@ def merge_answers(
     values: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
     problems: list[str] = []
+    endpoint_problems: dict[str, list[str]] = {}
     for signal, answer in answers.items():
         if isinstance(answer, str):
             errors[signal] = answer
             continue
-        per_label, found = answer
+        per_label, found, by_key = answer
         problems += [f"{signal}: {p}" for p in found]
+        for key, texts in by_key.items():
+            address = key if address_of is None else address_of.get(key)
+            if address is not None:
+                endpoint_problems.setdefault(address, []).extend(f"{signal}: {t}" for t in texts)
         if address_of is not None:
             mapped = ((address_of.get(k), v) for k, v in per_label.items())
             per_label = {a: v for a, v in mapped if a is not None}
@@ -183,7 +206,8 @@ def merge_answers(
                 values[address] = {signal: value}
             else:
                 row[signal] = value
-    return PromQLResult(values=values, errors=errors, problems=tuple(problems))
+    return PromQLResult(values=values, errors=errors, problems=tuple(problems),
+                        endpoint_problems=endpoint_problems)
 
 
 class PromQLSource:

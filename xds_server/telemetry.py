@@ -86,11 +86,28 @@ def parse_dcgm_memory(text: str) -> dict[str, float]:
 
 @dataclass(frozen=True)
 class ScrapeResult:
-    """Outcome of scraping one endpoint: signals on success, ``"<kind>: <detail>"`` on error."""
+    """Outcome of scraping one endpoint: signals on success, ``"<kind>: <detail>"`` on error.
+
+    ``problems`` lists inputs that were present but rejected (NaN, negative, out of range)
+    or that partly failed (the node's DCGM page): the read still counts, the endpoint is
+    flagged, and a rejected value is never among ``signals``.
+    """
 
     signals: dict[str, float] | None
     error: str | None
     collected_at: float
+    problems: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ParsedPage:
+    """What a page parser may return instead of a plain ``dict``: signals and problems."""
+
+    signals: dict[str, float]
+    problems: tuple[str, ...] = ()
+
+
+PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
 
 
 class Scraper:
@@ -104,7 +121,7 @@ class Scraper:
         self,
         timeout_seconds: float,
         max_concurrency: int = 64,
-        parse: Callable[[str], dict[str, float]] = parse_dcgm_memory,
+        parse: PageParser = parse_dcgm_memory,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if not timeout_seconds > 0:
@@ -135,7 +152,7 @@ class Scraper:
 
     async def scrape(
         self, targets: Mapping[str, str], now: Callable[[], float],
-        parse: Callable[[str], dict[str, float]] | None = None,
+        parse: PageParser | None = None,
     ) -> dict[str, ScrapeResult]:
         """Scrape every ``address -> metrics_url`` target; failures stay per endpoint.
         ``parse`` overrides the scraper's page parser for this call."""
@@ -155,7 +172,7 @@ class Scraper:
         semaphore: asyncio.Semaphore,
         url: str,
         now: Callable[[], float],
-        parse: Callable[[str], dict[str, float]],
+        parse: PageParser,
     ) -> ScrapeResult:
         async with semaphore:
             try:
@@ -171,10 +188,12 @@ class Scraper:
                 return ScrapeResult(None, f"fetch: {_describe(exc)}", now())
             collected_at = now()
         try:
-            signals = parse(body.decode("utf-8"))
+            parsed = parse(body.decode("utf-8"))
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
-        return ScrapeResult(signals, None, collected_at)
+        if isinstance(parsed, ParsedPage):
+            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems)
+        return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
         async with session.get(url, headers={"Accept": "text/plain"}) as resp:
@@ -203,28 +222,43 @@ def _describe(exc: BaseException) -> str:
 
 
 class TelemetryStore:
-    """The latest :class:`Observation` per endpoint address."""
+    """The latest :class:`Observation` per endpoint address, and when each was first seen."""
 
     def __init__(self) -> None:
         self._observations: dict[str, Observation] = {}
+        self._first_seen: dict[str, float] = {}
 
     def record(self, address: str, result: ScrapeResult) -> None:
         """Success replaces the sample; failure keeps the last good sample and sets error."""
+        first_seen = self._first_seen.setdefault(address, result.collected_at)
         if result.error is None and result.signals is not None:
-            sample = Sample(collected_at=result.collected_at, signals=dict(result.signals))
-            self._observations[address] = Observation(sample=sample, error=None)
+            sample = Sample(collected_at=result.collected_at, signals=dict(result.signals),
+                            problems=tuple(result.problems))
+            self._observations[address] = Observation(sample, None, first_seen)
             return
         prior = self._observations.get(address)
         error = result.error if result.error is not None else "scrape: no signals"
         self._observations[address] = Observation(
-            sample=prior.sample if prior is not None else None, error=error
+            prior.sample if prior is not None else None, error, first_seen
         )
 
+    def seen(self, addresses: Iterable[str], at: float) -> None:
+        """Note ``at`` as the first-seen time of every address not seen before."""
+        for address in addresses:
+            self._first_seen.setdefault(address, at)
+
     def observations(self, addresses: Iterable[str]) -> dict[str, Observation]:
-        """Observations for ``addresses`` (never-seen ones get ``Observation(None)``)."""
-        return {a: self._observations.get(a, Observation(sample=None)) for a in addresses}
+        """Observations for ``addresses`` (never-read ones get ``Observation(None)``, with
+        their first-seen time when :meth:`seen` noted one)."""
+        out = {}
+        for a in addresses:
+            obs = self._observations.get(a)
+            out[a] = obs if obs is not None else Observation(None, None, self._first_seen.get(a))
+        return out
 
     def forget(self, keep: set[str]) -> None:
         """Drop every endpoint not in ``keep``."""
         for address in [a for a in self._observations if a not in keep]:
             del self._observations[address]
+        for address in [a for a in self._first_seen if a not in keep]:
+            del self._first_seen[address]

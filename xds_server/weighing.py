@@ -1,15 +1,16 @@
 """From what telemetry knows to one cluster's weights, through the configured pure policy.
 
 Adds what the policies leave to the caller: the windowed decode latency (ITL) from histogram
-deltas, the configured capacity, and the warm-up weight of an endpoint whose telemetry has
-not arrived yet.
+deltas, the configured capacity, the warm-up weight of an endpoint whose telemetry has not
+arrived yet (only while it is younger than ``stale_after_seconds`` since first seen), and the
+flags of rejected inputs (see :mod:`weight_calculator.adjust`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
+from weight_calculator.adjust import flag_problems, warm_up, without_warm_up
 from weight_calculator.composite import (
     CompositePolicy,
     EndpointInput,
@@ -66,27 +67,19 @@ def _composite_input(endpoint: EndpointConfig, obs: Observation, itl: float | No
                          endpoint.capacity)
 
 
-def _warm_up(weights: PoolWeights, observations: Mapping[str, Observation],
-             warmup_weight: int) -> PoolWeights:
-    if weights.fail_static:
-        return weights
-    endpoints = dict(weights.endpoints)
-    for address, obs in observations.items():
-        if obs.sample is None and address in endpoints:
-            endpoints[address] = replace(endpoints[address], weight=warmup_weight,
-                                         reason=f"warming up: no telemetry yet ({obs.error})"
-                                         if obs.error else "warming up: no telemetry yet")
-    return PoolWeights(endpoints=endpoints, fail_static=False)
-
-
 def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
                     observations: Mapping[str, Observation], latency: LatencyWindow,
                     now: float, previous: PoolWeights | None) -> PoolWeights:
+    """The pool policy's weights, then warm-up (endpoints younger than stale_after with no
+    telemetry yet) and the flags of rejected inputs."""
+    prior = without_warm_up(previous)
     if config.weights.policy == "composite":
         inputs = {ep.address: _composite_input(ep, observations[ep.address],
                                                latency.itl_ms(ep.address, now))
                   for ep in endpoints}
-        weights = compute_composite_weights(inputs, composite_policy(config, pool), now, previous)
+        weights = compute_composite_weights(inputs, composite_policy(config, pool), now, prior)
     else:
-        weights = compute_pool_weights(observations, gpu_memory_policy(config), now, previous)
-    return _warm_up(weights, observations, min(pool.warmup_weight, config.weights.max_weight))
+        weights = compute_pool_weights(observations, gpu_memory_policy(config), now, prior)
+    warmup = min(pool.warmup_weight, config.weights.max_weight)
+    weights = warm_up(weights, observations, warmup, config.telemetry.stale_after_seconds, now)
+    return flag_problems(weights, observations)

@@ -1,0 +1,237 @@
+"""Telemetry sources over real HTTP: scrape (model page + node DCGM page), file, Prometheus."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from tests.support.backends import BackendFleet, VllmPage, vllm_text
+from xds_server.cache import SnapshotCache
+from xds_server.config import EndpointConfig, parse_config
+from xds_server.controller import Controller
+from xds_server.sources import FileSource, PrometheusSource, ScrapeSource
+from xds_server.telemetry import Scraper, ScrapeResult
+
+TIMEOUT = 0.5
+
+
+async def _serve(pages: dict[str, str], delay_s: float = 0.0) -> tuple[web.AppRunner, int]:
+    async def page(request: web.Request) -> web.Response:
+        await asyncio.sleep(delay_s)
+        return web.Response(text=pages[request.path])
+
+    app = web.Application()
+    for path in pages:
+        app.router.add_get(path, page)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
+
+
+# --- scrape: the node's DCGM page next to the model page -------------------------------------
+
+
+def test_dcgm_failure_is_reported_and_the_last_gpu_memory_held_for_stale_after() -> None:
+    held = ("dcgm: http: status 500 Internal Server Error; holding the last good "
+            "gpu_mem_pct, gpu_util_pct (for at most 6s)")
+
+    async def scenario(fleet: BackendFleet) -> list[ScrapeResult]:
+        runner, port = await _serve({"/metrics": vllm_text(VllmPage(kv_usage=0.25, waiting=2))})
+        endpoint = EndpointConfig(address=f"127.0.0.1:{port}", gpu="0",
+                                  dcgm_url=f"http://{fleet.addresses[0]}/metrics")
+        source = ScrapeSource(Scraper(TIMEOUT), with_slo=False, hold_seconds=6.0)
+        clock, reads = [1000.0], []
+        try:
+            for step, mode in ((0, "ok"), (6, "error"), (1, "error"), (1, "ok")):
+                fleet.set_metrics_mode(0, mode)  # type: ignore[arg-type]
+                clock[0] += step
+                reads.append((await source.collect([endpoint], lambda: clock[0]))[endpoint.address])
+        finally:
+            await source.close()
+            await runner.cleanup()
+        return reads
+
+    with BackendFleet(count=1) as fleet:
+        fleet.set_memory(0, used_mib=40000, total_mib=80000)
+        ok, holding, dropped, again = asyncio.run(scenario(fleet))
+    assert ok.signals is not None and ok.signals["gpu_mem_pct"] == 50.0 and ok.problems == ()
+    assert holding.error is None and holding.signals is not None
+    assert (holding.signals["gpu_mem_pct"], holding.signals["kv_usage"]) == (50.0, 0.25)
+    assert holding.problems == (held,)
+    assert dropped.error is None and dropped.signals is not None
+    assert "gpu_mem_pct" not in dropped.signals and dropped.signals["queue"] == 2.0
+    assert dropped.problems == ("dcgm: http: status 500 Internal Server Error; "
+                                "no gpu_mem_pct or gpu_util_pct from it",)
+    assert again.signals is not None and again.signals["gpu_mem_pct"] == 50.0
+    assert again.problems == ()
+
+
+def test_model_and_dcgm_pages_are_scraped_concurrently() -> None:
+    async def scenario(fleet: BackendFleet) -> tuple[dict[str, ScrapeResult], float]:
+        page = vllm_text(VllmPage(kv_usage=0.5))
+        runner, port = await _serve({"/a": page, "/b": page}, delay_s=0.6 * TIMEOUT)
+        dcgm = f"http://{fleet.addresses[0]}/metrics"  # hangs: every DCGM scrape times out
+        endpoints = [EndpointConfig(address=f"10.0.0.{i}:80", gpu=str(i), dcgm_url=dcgm,
+                                    metrics_url=f"http://127.0.0.1:{port}/{name}")
+                     for i, name in ((0, "a"), (1, "b"))]
+        source = ScrapeSource(Scraper(TIMEOUT), with_slo=False, hold_seconds=6.0)
+        started = time.monotonic()
+        try:
+            results = await source.collect(endpoints, time.time)
+        finally:
+            elapsed = time.monotonic() - started
+            await source.close()
+            await runner.cleanup()
+        return results, elapsed
+
+    with BackendFleet(count=1) as fleet:
+        fleet.set_metrics_mode(0, "hang")
+        results, elapsed = asyncio.run(scenario(fleet))
+        fleet.set_metrics_mode(0, "ok")
+    # In sequence: 2 groups x (0.6 + 1) x TIMEOUT = 3.2 x TIMEOUT; concurrently about one.
+    assert TIMEOUT * 0.9 <= elapsed < TIMEOUT * 1.8
+    for result in results.values():
+        assert result.signals is not None and result.signals["kv_usage"] == 0.5
+        assert len(result.problems) == 1 and result.problems[0].startswith("dcgm: timeout: ")
+
+
+# --- file ------------------------------------------------------------------------------------
+
+
+def _endpoints(*addresses: str, **extra: str) -> list[EndpointConfig]:
+    return [EndpointConfig(address=a, **extra) for a in addresses]  # type: ignore[arg-type]
+
+
+def test_file_source_maps_addresses_and_rereads_every_tick(tmp_path: Path) -> None:
+    path = tmp_path / "signals.yaml"
+    path.write_text(json.dumps({
+        "10.0.0.1:80": {"kv_usage": 0.5, "queue": "3"},
+        "10.0.0.2:80": {"kv_usage": 0.1, "queue": "many", "running": True},
+        "10.0.0.4:80": "not a mapping",
+    }))
+    source = FileSource(str(path))
+    endpoints = _endpoints("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80", "10.0.0.4:80")
+    first = asyncio.run(source.collect(endpoints, lambda: 1000.0))
+    assert first["10.0.0.1:80"] == ScrapeResult({"kv_usage": 0.5, "queue": 3.0}, None, 1000.0)
+    partial = first["10.0.0.2:80"]
+    assert partial.signals == {"kv_usage": 0.1} and partial.error is None
+    assert [p.split(":")[0] for p in partial.problems] == ["queue", "running"]
+    assert first["10.0.0.3:80"].error == "file: no entry for 10.0.0.3:80"
+    assert first["10.0.0.4:80"].error == "file: no entry for 10.0.0.4:80"
+    path.write_text("10.0.0.3:80: {queue: 7}\n")
+    second = asyncio.run(source.collect(endpoints, lambda: 1001.0))
+    assert second["10.0.0.3:80"].signals == {"queue": 7.0}
+    assert second["10.0.0.1:80"].error == "file: no entry for 10.0.0.1:80"
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    ("- just\n- a list\n", "expected a mapping of address"),
+    (None, "No such file"),
+    ("{unclosed: [", "while parsing"),
+])
+def test_unusable_file_fails_every_endpoint(tmp_path: Path, content: str | None,
+                                            message: str) -> None:
+    path = tmp_path / "signals.yaml"
+    if content is not None:
+        path.write_text(content)
+    results = asyncio.run(FileSource(str(path)).collect(_endpoints("a:1", "b:1"), lambda: 5.0))
+    assert set(results) == {"a:1", "b:1"}
+    for result in results.values():
+        assert result.signals is None and str(result.error).startswith(f"file: {path}: ")
+        assert message in str(result.error)
+
+
+# --- prometheus: a label value per endpoint --------------------------------------------------
+
+
+def _vector(*series: tuple[dict[str, str], str]) -> str:
+    result = [{"metric": m, "value": [1796123661.3, v]} for m, v in series]
+    return json.dumps({"status": "success", "data": {"resultType": "vector", "result": result}})
+
+
+ANSWERS = {
+    "q_kv": (200, _vector(({"instance": "pod-a:9400"}, "0.5"),
+                          ({"instance": "10.0.0.1:8000"}, "0.9"),  # ep 1 is named pod-a:9400
+                          ({"instance": "10.0.0.2:8000"}, "NaN"),
+                          ({"instance": "10.9.9.9:1"}, "0.3"))),
+    "q_queue": (200, _vector(({"instance": "pod-a:9400"}, "3"),
+                             ({"instance": "10.0.0.2:8000"}, "4"))),
+    "q_pod_kv": (200, _vector(({"pod": "vllm-0"}, "0.25"), ({"instance": "vllm-1"}, "0.75"))),
+    "q_bad": (400, json.dumps({"status": "error", "errorType": "bad_data",
+                               "error": "parse error: unclosed left parenthesis"})),
+}
+
+
+async def _prometheus() -> tuple[web.AppRunner, str]:
+    async def query(request: web.Request) -> web.Response:
+        status, body = ANSWERS[request.query["query"]]
+        return web.Response(status=status, text=body, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def _prom_config(url: str, label: str, queries: dict[str, str], endpoints: list[dict]):
+    return parse_config({
+        "telemetry": {"source": "prometheus",
+                      "prometheus": {"url": url, "label": label, "queries": queries}},
+        "weights": {"policy": "composite"},
+        "pools": [{"name": "p", "model": "m", "endpoints": endpoints}],
+    })
+
+
+def _collect(label: str, queries: dict[str, str], endpoints: list[dict]
+             ) -> tuple[dict[str, ScrapeResult], Controller]:
+    async def scenario() -> tuple[dict[str, ScrapeResult], Controller]:
+        runner, url = await _prometheus()
+        config = _prom_config(url, label, queries, endpoints)
+        source = PrometheusSource(config, timeout_seconds=2.0)
+        controller = Controller(config, SnapshotCache(), clock=lambda: 1000.0)
+        try:
+            results = await source.collect(config.pools[0].endpoints, lambda: 1000.0)
+            controller.ingest(results)
+        finally:
+            await source.close()
+            await controller.close()
+            await runner.cleanup()
+        return results, controller
+
+    return asyncio.run(scenario())
+
+
+def test_prometheus_instance_label_maps_to_endpoints() -> None:
+    results, controller = _collect("instance", {"kv_usage": "q_kv", "queue": "q_queue"}, [
+        {"address": "10.0.0.1:8000", "instance": "pod-a:9400"},
+        {"address": "10.0.0.2:8000"},
+        {"address": "10.0.0.3:8000"},
+    ])
+    assert results["10.0.0.1:8000"] == ScrapeResult({"kv_usage": 0.5, "queue": 3.0}, None, 1000.0)
+    nan = results["10.0.0.2:8000"]
+    assert nan.signals == {"queue": 4.0}
+    assert nan.problems == ("kv_usage: instance='10.0.0.2:8000' is nan",)
+    assert results["10.0.0.3:8000"].signals is None
+    assert results["10.0.0.3:8000"].error == "prometheus: no series with instance='10.0.0.3:8000'"
+    flagged = controller.weights["p"].endpoints["10.0.0.2:8000"]
+    assert flagged.problems == nan.problems and flagged.weight == 88  # 1 - 4/32, queue alone
+
+
+def test_prometheus_other_label_and_a_failed_query_flag_each_endpoint() -> None:
+    results, _ = _collect("pod", {"kv_usage": "q_pod_kv", "queue": "q_bad"}, [
+        {"address": "10.0.0.1:8000", "instance": "vllm-0"},
+        {"address": "10.0.0.2:8000", "instance": "vllm-1"},  # its series has no `pod` label
+    ])
+    good, missing = results["10.0.0.1:8000"], results["10.0.0.2:8000"]
+    assert good.signals == {"kv_usage": 0.25} and good.error is None
+    assert len(good.problems) == 1
+    assert good.problems[0].startswith("queue: http: status 400 Bad Request; prometheus: bad_data")
+    assert missing.signals is None and missing.error == f"prometheus: {good.problems[0]}"
