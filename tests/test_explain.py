@@ -115,3 +115,15 @@ def test_latency_needs_and_gets_a_second_read(interval: float) -> None:
     else:
         assert len(scraped) == 1 and "itl_ms" not in row["inputs"]
         assert notes == ["latency (itl_ms) left out: the ITL histogram needs a second read"]
+
+
+def test_the_weights_command_prints_json_rows(tmp_path, capsys) -> None:
+    from xds_server.cli import main
+    path = tmp_path / "static.yaml"
+    path.write_text("telemetry: {source: static}\nweights: {policy: composite}\n"
+                    "pools:\n  - name: s\n    model: m\n    endpoints:\n"
+                    "      - {address: '10.0.2.1:80', signals: {kv_usage: 0.9, queue: 0}}\n"
+                    "      - {address: '10.0.2.2:80', signals: {kv_usage: 0.1, queue: 0}}\n")
+    assert main(["weights", "--config", str(path), "--json", "--sample-interval", "0"]) == 0
+    rows = {row["endpoint"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["10.0.2.1:80"]["weight"] < rows["10.0.2.2:80"]["weight"]

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     weights = sub.add_parser("weights", help="read telemetry once; show every input and weight")
     weights.add_argument("--config", required=True, help="path to the YAML config")
     weights.add_argument("--json", action="store_true", help="JSON rows instead of a table")
+    weights.add_argument("--sample-interval", type=float, default=1.0, metavar="S",
+                         help="seconds between the two reads that windowed ITL needs "
+                              "(default 1; 0: one read, latency left out)")
     agent = sub.add_parser("agent", help="serve this node's GPUs (NVML) in DCGM metric names")
     agent.add_argument("--listen", default="0.0.0.0:9400", help="host:port (default 0.0.0.0:9400)")
     ro = sub.add_parser("rollout", help="show or steer canary rollouts through the admin API")
@@ -134,7 +137,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    print(explain(config, as_json=args.json))
+    print(explain(config, as_json=args.json, sample_interval=max(0.0, args.sample_interval)))
     return 0
 
 
