@@ -13,8 +13,8 @@ for target in \
   "tests/test_fuzz_inputs.py::test_metrics_pages_parse_or_fail_cleanly" \
   "tests/test_fuzz_inputs.py::test_configs_validate_or_fail_with_key_paths"; do
   start=$(date +%s)
-  .venv/bin/python -m pytest -q -p no:cacheprovider --hypothesis-show-statistics "$target" \
+  .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 0 --hypothesis-show-statistics "$target" \
     | tee "benchmarks/results/fuzz-$(echo "$target" | sed 's/.*:://').txt" \
-    | grep -E "passing examples|passed|failed" || true
+    | grep -E "passing|passed|failed" || true
   echo "$target: $N cases requested, $(( $(date +%s) - start )) s"
 done
