@@ -206,3 +206,49 @@ def test_example_workload_loads() -> None:
     total = sum(c.weight for c in w.classes)
     assert 0.05 <= long.weight / total <= 0.10
     assert long.prompt_tokens.min == 8192 and (long.prompt_tokens.max or 0) <= 32_000
+
+
+def _virtual_in_flight(fleet_path: Path, w: Any, until: float, since: float) -> float:
+    """Mean requests in flight over ``[since, until]`` when ``w``'s schedule goes to the
+    fleet's engines in virtual time through Envoy's least_request with equal weights (two
+    random choices, the one with fewer active requests)."""
+    import heapq
+    import random
+
+    from xds_server.sim.engine import Engine, ManualClock, SimRequest
+    from xds_server.sim.fleet import expand, load_fleet
+
+    clock, pick = ManualClock(), random.Random(1)
+    engines = [Engine(c.gpu, c.model, c.efficiency, clock=clock, max_model_len=c.max_model_len)
+               for c in expand(load_fleet(fleet_path))]
+    active, stepping = [0] * len(engines), [None] * len(engines)
+    events: list[tuple[float, int, int, Any]] = [
+        (p.at, 0, p.index, (p.prompt_tokens, p.max_tokens))
+        for p in build_schedule(w, rate=w.rate, duration=until, seed=w.seed)]
+    heapq.heapify(events)
+    area, last, seq = 0.0, 0.0, len(events)
+    while events:
+        t, kind, _, what = heapq.heappop(events)
+        area += sum(active) * max(0.0, min(t, until) - max(last, since))
+        last = t
+        clock.set(t)
+        if kind == 0:
+            a, b = pick.sample(range(len(engines)), 2)
+            k = a if active[a] <= active[b] else b
+            engines[k].submit(SimRequest(f"r{seq}", *what), now=t)
+            active[k] += 1
+        else:
+            k = what
+            active[k] -= len(engines[k].finish_step(stepping[k]).finished)
+            stepping[k] = None
+        if stepping[k] is None and (plan := engines[k].plan_step(now=t)) is not None:
+            stepping[k], seq = plan, seq + 1
+            heapq.heappush(events, (t + plan.duration, 1, seq, k))
+    return area / (until - since)
+
+
+def test_the_selfcheck_workload_holds_about_200_streams_on_the_hetero_fleet() -> None:
+    root = Path(__file__).resolve().parents[2] / "examples"
+    w = load_workload(root / "workload-selfcheck.yaml")
+    mean = _virtual_in_flight(root / "fleet-hetero.yaml", w, until=70.0, since=30.0)
+    assert 160 <= mean <= 240, mean

@@ -292,3 +292,49 @@ def test_example_fleets_load() -> None:
     homog = [c.gpu.name for c in expand(load_fleet(root / "fleet-homogeneous.yaml"))]
     assert len(set(hetero)) == 3 and len(hetero) == 6
     assert set(homog) == {"A100-40G"}
+
+
+async def _openai_stream(base_url: str, chat: bool, max_tokens: int) -> list[Any]:
+    """Every chunk the official ``openai`` client parses from one streamed request."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=base_url + "/v1", api_key="x", max_retries=0)
+    options: Any = {"include_usage": True}
+    try:
+        if chat:
+            stream: Any = await client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "x" * 400}],
+                max_tokens=max_tokens, stream=True, stream_options=options)
+        else:
+            stream = await client.completions.create(
+                model=MODEL, prompt="y" * 400, max_tokens=max_tokens, stream=True,
+                stream_options=options)
+        return [chunk async for chunk in stream]
+    finally:
+        await client.close()
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+def test_the_official_openai_client_parses_the_stream(chat: bool) -> None:
+    pytest.importorskip("openai")
+
+    async def scenario(fleet: SimFleet, s: aiohttp.ClientSession) -> list[Any]:
+        return await _openai_stream(fleet.urls["h"], chat, max_tokens=7)
+
+    chunks = with_fleet(scenario)
+    *body, usage_chunk = chunks
+    with_choices = [c for c in body if c.choices]
+    assert len(with_choices) == len(body)  # only the usage chunk has no choice (vLLM's way)
+    if chat:
+        assert with_choices[0].choices[0].delta.role == "assistant"
+        texts = [c.choices[0].delta.content for c in with_choices[1:]]
+    else:
+        texts = [c.choices[0].text for c in with_choices]
+    assert len(texts) == 7 and all(texts)
+    assert [c.choices[0].finish_reason for c in with_choices][-2:] == [None, "length"]
+    assert all(c.usage is None for c in body)  # usage only in the last chunk
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage is not None
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens,
+            usage_chunk.usage.total_tokens) == (100, 7, 107)
+    assert {c.id for c in chunks} == {chunks[0].id}

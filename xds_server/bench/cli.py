@@ -1,15 +1,21 @@
 """`trimtab bench`: the same workload through a real Envoy with each balancing policy.
 
     trimtab bench --fleet examples/fleet-hetero.yaml --workload examples/workload-mixed.yaml \\
-        --policies round_robin,least_request,cswrr_orca,trimtab --duration 120 --seed 1 \\
-        --out benchmarks/results/bench-hetero-s1
+        --policies round_robin,least_request,cswrr_orca,reference,trimtab --duration 120 \\
+        --seeds 42,1,2 --out benchmarks/results/bench-hetero
 
 Starts the simulated fleet once (``trimtab sim``), then per policy: Envoy (static config for
-the baselines; ADS from ``trimtab serve`` for trimtab), waits until Envoy routes to every
+the baselines; ADS from ``trimtab serve`` for trimtab and for the reference controller), waits until Envoy routes to every
 host, runs the workload (same seed, an unmeasured warm-up first), and waits for the fleet to
 drain before the next policy. Prints the comparison and writes DIR/bench.json, DIR/bench.png,
-DIR/records-<policy>.jsonl and every process's log and config. ``--report-only --out DIR``
-recomputes the summaries, table and figure from DIR's records without running anything.
+DIR/records-<policy>.jsonl and every process's log and config. With ``--seeds`` it does all
+that once per seed in DIR/seed-<S>/, then prints and writes the spread of every ratio
+(DIR/spread.json: min/median/max across seeds). ``--report-only --out DIR`` recomputes the
+summaries, tables, spread and figures from the records without running anything.
+
+The targets: the issue's on a heterogeneous fleet; on a homogeneous one (every live server
+identical, or ``--targets homogeneous``) "trimtab no worse than least_request within
+``--tolerance``" (P99 TTFT and output tokens/s).
 
 Exit status: 0 when every policy ran, 1 when something could not start or was interrupted,
 2 on bad input.
@@ -28,7 +34,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -36,9 +42,9 @@ from typing import Any
 from xds_server import __version__
 from xds_server.envoy_process import EnvoyError, envoy_binary
 from xds_server.loadgen.workload import Workload, WorkloadError, load_workload
-from xds_server.sim.fleet import FleetError, load_fleet
+from xds_server.sim.fleet import FleetError, FleetSpec, expand, load_fleet
 
-from . import envoy_configs, report
+from . import envoy_configs, reference, report
 from .envoy_configs import LongContext
 from .runner import (
     BenchError,
@@ -74,6 +80,8 @@ class BenchSettings:
     composite: dict[str, Any] = field(default_factory=dict)
     long_context_tokens: int = 0
     long_context_kv_factor: float = LONG_POOL_KV_FACTOR
+    homogeneous: bool = False  # which targets: see fleet_is_homogeneous and --targets
+    tolerance: float = report.HOMOGENEOUS_TOLERANCE
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -86,6 +94,23 @@ def _policies(text: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(
             f"a comma-separated subset of {','.join(envoy_configs.POLICIES)}, no repeats")
     return names
+
+
+def _seeds(text: str) -> tuple[int, ...]:
+    try:
+        seeds = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError("comma-separated integers, e.g. 42,1,2") from exc
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError("comma-separated integers, no repeats")
+    return seeds
+
+
+def _tolerance(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError("must be in [0, 1)")
+    return value
 
 
 def _positive(text: str) -> float:
@@ -116,7 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workload", help="workload YAML (trimtab load); required unless "
                                       "--report-only")
     p.add_argument("--policies", type=_policies, default=envoy_configs.POLICIES,
-                   help="comma-separated, run in this order (default: all four)")
+                   help="comma-separated, run in this order (default: all five; "
+                        "reference = capacity x (1 - KV use) every 2 s, see "
+                        "docs/simulator.md)")
     p.add_argument("--duration", type=_positive, default=120.0,
                    help="measured seconds per policy (default 120)")
     p.add_argument("--warmup", type=float,
@@ -126,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
                         "counts as unfinished (default 60)")
     p.add_argument("--rate", type=_positive, help="req/s (default: the workload's)")
     p.add_argument("--seed", type=int, help="schedule seed (default: the workload's)")
+    p.add_argument("--seeds", type=_seeds, metavar="S1,S2,...",
+                   help="run the whole comparison once per seed, into --out/seed-<S>, and "
+                        "print/write the spread of every ratio (--out/spread.json)")
+    p.add_argument("--targets", choices=["auto", "heterogeneous", "homogeneous"],
+                   default="auto",
+                   help="which targets to judge trimtab by: the issue's (heterogeneous) or "
+                        "'no worse than least_request within --tolerance' (homogeneous); "
+                        "auto: homogeneous when every live server of the fleet is the same "
+                        "(GPU, limits, faults)")
+    p.add_argument("--tolerance", type=_tolerance, default=report.HOMOGENEOUS_TOLERANCE,
+                   help="the homogeneous targets' tolerance: P99 TTFT ratio <= 1 + T, "
+                        f"tokens/s ratio >= 1 - T (default {report.HOMOGENEOUS_TOLERANCE:g})")
     p.add_argument("--weights", choices=["composite", "gpu_memory"], default="composite",
                    help="trimtab's weight policy (default composite)")
     p.add_argument("--interval", type=_positive, default=2.0,
@@ -147,7 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def settings_from(args: argparse.Namespace, w: Workload) -> BenchSettings:
+def fleet_is_homogeneous(spec: FleetSpec) -> bool:
+    """True when every live server is the same: GPU (with its limits), ``max_model_len``,
+    efficiency and faults (a ``slow`` server makes a fleet heterogeneous)."""
+    live = [c for c in expand(spec) if not c.faults.dead]
+    return len({(c.gpu, c.max_model_len, c.efficiency, c.faults) for c in live}) == 1
+
+
+def settings_from(args: argparse.Namespace, w: Workload,
+                  spec: FleetSpec | None = None) -> BenchSettings:
     warmup = args.warmup if args.warmup is not None else max(5.0, 0.1 * args.duration)
     if warmup < 0 or args.tail < 0:
         raise ValueError("--warmup and --tail must be >= 0")
@@ -162,7 +209,10 @@ def settings_from(args: argparse.Namespace, w: Workload) -> BenchSettings:
         seed=w.seed if args.seed is None else args.seed, weights=args.weights,
         interval=args.interval, out=args.out, composite=dict(args.composite),
         long_context_tokens=args.long_context_tokens,
-        long_context_kv_factor=args.long_context_kv_factor)
+        long_context_kv_factor=args.long_context_kv_factor,
+        homogeneous=(args.targets == "homogeneous" if args.targets != "auto"
+                     else spec is not None and fleet_is_homogeneous(spec)),
+        tolerance=args.tolerance)
 
 
 def log(message: str) -> None:
@@ -244,7 +294,8 @@ def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
     finally:
         sim.stop()
     doc = {"config": _config(s, fleet), "seed": s.seed, "versions": versions(),
-           "policies": entries, "comparison": report.comparison(entries)}
+           "policies": entries,
+           "comparison": report.comparison(entries, s.homogeneous, s.tolerance)}
     report.write_json(doc, out / "bench.json")
     if not report.write_png(doc, ttfts, out / "bench.png"):
         log("matplotlib is not installed: no bench.png (pip install matplotlib)")
@@ -261,7 +312,10 @@ def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
             "trimtab": {"lb_policy": "least_request", "weights": s.weights,
                         "interval_seconds": s.interval, "composite": s.composite,
                         "long_context_tokens": s.long_context_tokens,
-                        "long_context_kv_factor": s.long_context_kv_factor}}
+                        "long_context_kv_factor": s.long_context_kv_factor},
+            "reference": {"lb_policy": "least_request", "weights": "composite",
+                          "interval_seconds": reference.INTERVAL_S,
+                          "composite": reference.COMPOSITE}}
 
 
 def rereport(out: Path) -> dict[str, Any]:
@@ -276,7 +330,9 @@ def rereport(out: Path) -> dict[str, Any]:
         run = LoadRun(records, plan.total, entry["client"], 0, started)
         entry["summary"] = report.policy_summary(run, plan, f"envoy:{policy}")
         ttfts[policy] = report.ttft_values(run, plan)
-    doc["comparison"] = report.comparison(doc["policies"])
+    doc["comparison"] = report.comparison(
+        doc["policies"], bool(c.get("homogeneous", False)),
+        float(c.get("tolerance", report.HOMOGENEOUS_TOLERANCE)))
     report.write_json(doc, out / "bench.json")
     report.write_png(doc, ttfts, out / "bench.png")
     return doc
@@ -310,28 +366,57 @@ def interrupts_as_keyboard() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.report_only:
-        try:
-            report.print_report(rereport(Path(args.out)))
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"trimtab bench: cannot rebuild {args.out}: {exc}", file=sys.stderr)
-            return EXIT_BAD_INPUT
-        return 0
-    if not args.fleet or not args.workload:
-        print("trimtab bench: --fleet and --workload are required", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    try:
-        w = load_workload(args.workload)
-        model = load_fleet(args.fleet).model
-        s = settings_from(args, w)
-    except (WorkloadError, FleetError, ValueError) as exc:
-        print(f"trimtab bench: invalid input: {exc}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+def seed_dirs(out: Path) -> dict[int, Path]:
+    """``{seed: out/seed-<seed>}`` for the per-seed runs already in ``out``."""
+    found = {}
+    for path in sorted(out.glob("seed-*")):
+        tail = path.name.removeprefix("seed-")
+        if path.is_dir() and tail.lstrip("-").isdigit() and (path / "bench.json").exists():
+            found[int(tail)] = path
+    return found
+
+
+def write_spread(docs: dict[int, dict[str, Any]], out: Path) -> dict[str, Any]:
+    summary = report.spread(docs)
+    report.write_json(summary, out / "spread.json")
+    report.print_spread(summary)
+    return summary
+
+
+def report_only(out: Path) -> None:
+    """Rebuild ``out`` (one run) or every ``out/seed-*`` run and their spread."""
+    if (out / "bench.json").exists():
+        report.print_report(rereport(out))
+        return
+    runs = seed_dirs(out)
+    if not runs:
+        raise ValueError(f"no bench.json in {out} nor in {out}/seed-*")
+    docs = {seed: rereport(path) for seed, path in runs.items()}
+    for doc in docs.values():
+        report.print_report(doc)
+    write_spread(docs, out)
+
+
+def run_seeds(s: BenchSettings, w: Workload, model: str, seeds: Sequence[int]) -> None:
+    """The whole comparison once per seed, each in ``out/seed-<seed>``, then the spread."""
+    docs: dict[int, dict[str, Any]] = {}
+    for seed in seeds:
+        one = replace(s, seed=seed, out=str(Path(s.out) / f"seed-{seed}"))
+        Path(one.out).mkdir(parents=True, exist_ok=True)
+        log(f"seed {seed} ({len(docs) + 1} of {len(seeds)}) into {one.out}")
+        docs[seed] = run_all(one, w, model)
+        report.print_report(docs[seed])
+    write_spread(docs, Path(s.out))
+    print(f"\nwrote {Path(s.out) / 'spread.json'} and seed-*/bench.json")
+
+
+def run_bench(s: BenchSettings, w: Workload, model: str, seeds: Sequence[int] | None) -> int:
     Path(s.out).mkdir(parents=True, exist_ok=True)
     try:
         with interrupts_as_keyboard():
+            if seeds:
+                run_seeds(s, w, model, seeds)
+                return 0
             doc = run_all(s, w, model)
     except (BenchError, EnvoyError, OSError) as exc:
         print(f"trimtab bench: {exc}", file=sys.stderr)
@@ -343,6 +428,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     report.print_report(doc)
     print(f"\nwrote {Path(s.out) / 'bench.json'} and {Path(s.out) / 'bench.png'}")
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.report_only:
+        try:
+            report_only(Path(args.out))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"trimtab bench: cannot rebuild {args.out}: {exc}", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        return 0
+    if not args.fleet or not args.workload or (args.seeds and args.seed is not None):
+        print("trimtab bench: --fleet and --workload are required; --seed and --seeds "
+              "exclude each other", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        w = load_workload(args.workload)
+        spec = load_fleet(args.fleet)
+        s = settings_from(args, w, spec)
+    except (WorkloadError, FleetError, ValueError) as exc:
+        print(f"trimtab bench: invalid input: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return run_bench(s, w, spec.model, args.seeds)
 
 
 if __name__ == "__main__":

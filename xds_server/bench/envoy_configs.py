@@ -12,6 +12,8 @@ the same listener and the same cluster settings except the balancer:
 * ``trimtab``: Envoy takes CDS/EDS/LDS/RDS over ADS from ``trimtab serve``, run on
   :func:`trimtab_config`: one pool of the fleet's endpoints, ``lb_policy: least_request`` and
   trimtab's weights.
+* ``reference``: the same, with the issue's reference controller as the weight policy
+  (weight = capacity x (1 - KV use), scraped every 2 s; see :mod:`.reference`).
 
 Shared settings (so no baseline is capped by Envoy's defaults): circuit breakers at 100000
 (Envoy's default is 1024 requests per cluster), route ``timeout: 0s`` (Envoy's default 15 s
@@ -29,8 +31,11 @@ from typing import Any
 
 from xds_server.envoy_process import render_bootstrap
 
-POLICIES: tuple[str, ...] = ("round_robin", "least_request", "cswrr_orca", "trimtab")
+POLICIES: tuple[str, ...] = ("round_robin", "least_request", "cswrr_orca", "reference",
+                             "trimtab")
 BASELINE = "least_request"
+REFERENCE = "reference"
+XDS_POLICIES = frozenset({"trimtab", REFERENCE})  # served by ``trimtab serve`` over ADS
 CLUSTER = "fleet"  # the static cluster's name, and the trimtab pool's
 CIRCUIT_LIMIT = 100_000
 IDLE_TIMEOUT = "300s"
@@ -97,13 +102,15 @@ def circuit_breakers() -> dict[str, Any]:
     return {"thresholds": [limits]}
 
 
-def cswrr_policy() -> dict[str, Any]:
-    """``load_balancing_policy`` selecting client-side weighted round robin on ORCA reports."""
-    config = {"@type": _CSWRR_TYPE, **CSWRR_SETTINGS}
+def cswrr_policy(overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``load_balancing_policy`` selecting client-side weighted round robin on ORCA reports
+    (:data:`CSWRR_SETTINGS`, with ``overrides`` on top: tests shorten the blackout)."""
+    config = {"@type": _CSWRR_TYPE, **CSWRR_SETTINGS, **(overrides or {})}
     return {"policies": [{"typed_extension_config": {"name": CSWRR_NAME, "typed_config": config}}]}
 
 
-def static_cluster(policy: str, addresses: Sequence[str]) -> dict[str, Any]:
+def static_cluster(policy: str, addresses: Sequence[str],
+                   cswrr: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The fleet as one STATIC cluster balanced by ``policy`` (a baseline)."""
     cluster: dict[str, Any] = {
         "name": CLUSTER, "type": "STATIC", "connect_timeout": CONNECT_TIMEOUT,
@@ -120,19 +127,21 @@ def static_cluster(policy: str, addresses: Sequence[str]) -> dict[str, Any]:
     elif policy == "least_request":
         cluster["lb_policy"] = "LEAST_REQUEST"
     elif policy == "cswrr_orca":
-        cluster["load_balancing_policy"] = cswrr_policy()
+        cluster["load_balancing_policy"] = cswrr_policy(cswrr)
     else:
         raise ValueError(f"no static config for policy {policy!r}")
     return cluster
 
 
 def static_bootstrap(policy: str, addresses: Sequence[str], *, listener_port: int,
-                     admin_port: int) -> dict[str, Any]:
-    """A self-contained Envoy bootstrap for a baseline policy."""
+                     admin_port: int, cswrr: Mapping[str, Any] | None = None
+                     ) -> dict[str, Any]:
+    """A self-contained Envoy bootstrap for a baseline policy (``cswrr``: overrides of
+    :data:`CSWRR_SETTINGS` for ``cswrr_orca``)."""
     return {
         "node": {"id": f"bench-{policy}", "cluster": "bench"},
         "static_resources": {"listeners": [listener(listener_port)],
-                             "clusters": [static_cluster(policy, addresses)]},
+                             "clusters": [static_cluster(policy, addresses, cswrr)]},
         "admin": {"address": _socket("127.0.0.1", admin_port)},
     }
 

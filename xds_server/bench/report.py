@@ -21,20 +21,41 @@ from typing import Any
 from xds_server.loadgen import summarize
 from xds_server.loadgen.runner import RequestRecord, RunResult
 
-from .envoy_configs import BASELINE
+from .envoy_configs import BASELINE, REFERENCE
 from .runner import Fleet, LoadPlan, LoadRun
 
 # (name, description, policy compared with, metric, operator, limit)
-TARGETS: tuple[tuple[str, str, str, str, str, float], ...] = (
+Target = tuple[str, str, str, str, str, float]
+TARGETS: tuple[Target, ...] = (
     ("ttft_p99_vs_least_request", "trimtab P99 TTFT / least_request", "least_request",
      "ttft_p99", "<=", 0.15),
     ("ttft_p99_vs_cswrr_orca", "trimtab P99 TTFT / cswrr_orca", "cswrr_orca", "ttft_p99",
      "<=", 0.5),
+    ("ttft_p99_vs_reference", "trimtab P99 TTFT / reference", REFERENCE, "ttft_p99", "<", 1.0),
     ("tokens_vs_least_request", "trimtab output tok/s / least_request", "least_request",
      "output_tokens_per_s", ">=", 1.0),
     ("tokens_vs_cswrr_orca", "trimtab output tok/s / cswrr_orca", "cswrr_orca",
      "output_tokens_per_s", ">=", 1.0),
+    ("tokens_vs_reference", "trimtab output tok/s / reference", REFERENCE,
+     "output_tokens_per_s", ">=", 1.0),
 )
+# The homogeneous control: identical servers leave a capacity-aware balancer nothing to
+# exploit, so trimtab only has to be no worse than least_request within this tolerance
+# (docs/simulator.md, "The homogeneous control", says how it was chosen).
+HOMOGENEOUS_TOLERANCE = 0.10
+RATIO_KEYS = ("ttft_p50", "ttft_p99", "e2e_p99", "req_per_s", "output_tokens_per_s")
+_OPS = {"<": lambda v, lim: v < lim, "<=": lambda v, lim: v <= lim,
+        ">=": lambda v, lim: v >= lim}
+
+
+def homogeneous_targets(tolerance: float = HOMOGENEOUS_TOLERANCE) -> tuple[Target, ...]:
+    """trimtab no worse than least_request within ``tolerance`` (P99 TTFT and tokens/s)."""
+    return (
+        ("ttft_p99_vs_least_request", "trimtab P99 TTFT / least_request", "least_request",
+         "ttft_p99", "<=", 1.0 + tolerance),
+        ("tokens_vs_least_request", "trimtab output tok/s / least_request", "least_request",
+         "output_tokens_per_s", ">=", 1.0 - tolerance),
+    )
 
 
 # ---- per policy ---------------------------------------------------------------------------
@@ -83,25 +104,37 @@ def window_throughput(records: Iterable[RequestRecord], start: float, end: float
     return {"req_per_s": done / span, "output_tokens_per_s": tokens / span, "window_s": span}
 
 
-def sim_summary(samples: Sequence[tuple[float, Any]], since: float) -> dict[str, Any]:
-    """The simulator's own health over the measured window: loop lag, CPU, peak queues."""
+def sim_summary(samples: Sequence[tuple[float, Any]], since: float,
+                until: float | None = None) -> dict[str, Any]:
+    """The simulator's own health from ``since`` (the end of the warm-up) on: loop lag, CPU,
+    peak queues per server, and concurrent streams (``in_flight``: requests the simulator
+    process was serving; peak and mean of the samples up to ``until``, the end of the
+    schedule, so the drain after it does not dilute the mean)."""
     window = [(t, s) for t, s in samples if t >= since] or list(samples)
     if not window:
         return {"samples": 0}
     (t0, first), (t1, last) = window[0], window[-1]
     cpu = (100.0 * (last["cpu_seconds"] - first["cpu_seconds"]) / (t1 - t0)
            if t1 > t0 else last.get("cpu_percent_recent", 0.0))
+    flights = [s["in_flight"] for t, s in window
+               if "in_flight" in s and (until is None or t <= until)]
+    return {"samples": len(window), "cpu_percent": cpu,
+            "loop_lag_p50_ms": max(s["loop_lag_p50_ms"] for _, s in window),
+            "loop_lag_p99_ms": max(s["loop_lag_p99_ms"] for _, s in window),
+            "loop_lag_max_ms": max(s["loop_lag_max_ms"] for _, s in window),
+            "in_flight_peak": max(flights, default=None),
+            "in_flight_mean": sum(flights) / len(flights) if flights else None,
+            "peak_per_server": _peaks(window)}
+
+
+def _peaks(window: Sequence[tuple[float, Any]]) -> dict[str, dict[str, float]]:
     peaks: dict[str, dict[str, float]] = {}
     for _, s in window:
         for name, server in s["servers"].items():
             peak = peaks.setdefault(name, {"waiting": 0, "running": 0, "kv_usage": 0.0})
             for key in peak:
                 peak[key] = max(peak[key], server[key])
-    return {"samples": len(window), "cpu_percent": cpu,
-            "loop_lag_p50_ms": max(s["loop_lag_p50_ms"] for _, s in window),
-            "loop_lag_p99_ms": max(s["loop_lag_p99_ms"] for _, s in window),
-            "loop_lag_max_ms": max(s["loop_lag_max_ms"] for _, s in window),
-            "peak_per_server": peaks}
+    return peaks
 
 
 def weight_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[str, list[Any]]:
@@ -120,7 +153,7 @@ def policy_entry(run: LoadRun, plan: LoadPlan, url: str, fleet: Fleet,
     entry: dict[str, Any] = {
         "summary": policy_summary(run, plan, url),
         "client": run.client,
-        "sim": sim_summary(run.samples.get("sim", []), plan.warmup),
+        "sim": sim_summary(run.samples.get("sim", []), plan.warmup, plan.total),
         "drain_before_s": drain_s,
         "envoy_weights": weight_series(run.samples.get("envoy_weights", []), fleet),
     }
@@ -153,26 +186,32 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b
 
 
-def comparison(policies: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """Ratios of every policy against ``least_request``, and the issue's targets."""
+def comparison(policies: Mapping[str, Mapping[str, Any]], homogeneous: bool = False,
+               tolerance: float = HOMOGENEOUS_TOLERANCE) -> dict[str, Any]:
+    """Ratios of every policy against ``least_request`` (and ``reference`` when it ran), and
+    trimtab's targets: the issue's on a heterogeneous fleet, "no worse than least_request
+    within ``tolerance``" on a homogeneous one."""
     flat = {p: metrics(e["summary"]) for p, e in policies.items()}
-    base = flat.get(BASELINE)
-    ratios = {p: {f"{k}_vs_{BASELINE}": _ratio(m[k], base[k]) if base else None
-                  for k in ("ttft_p50", "ttft_p99", "e2e_p99", "req_per_s",
-                            "output_tokens_per_s")}
+    bases = [BASELINE] + [REFERENCE] * (REFERENCE in flat)
+    ratios = {p: {f"{k}_vs_{b}": _ratio(m[k], flat[b][k]) if b in flat else None
+                  for b in bases for k in RATIO_KEYS}
               for p, m in flat.items()}
+    chosen = homogeneous_targets(tolerance) if homogeneous else TARGETS
     return {"baseline": BASELINE, "metrics": flat, "ratios": ratios,
-            "targets": targets(flat)}
+            "target_set": "homogeneous" if homogeneous else "heterogeneous",
+            "tolerance": tolerance if homogeneous else None,
+            "targets": targets(flat, chosen)}
 
 
-def targets(flat: Mapping[str, Mapping[str, float | None]]) -> list[dict[str, Any]]:
-    """The issue's targets for trimtab; ``met`` is None when a policy was not run."""
+def targets(flat: Mapping[str, Mapping[str, float | None]],
+            chosen: Sequence[Target] = TARGETS) -> list[dict[str, Any]]:
+    """``chosen`` targets for trimtab; ``met`` is None when a policy was not run."""
     out = []
     mine = flat.get("trimtab")
-    for name, text, other, key, op, limit in TARGETS:
+    for name, text, other, key, op, limit in chosen:
         theirs = flat.get(other)
         value = _ratio(mine[key], theirs[key]) if mine and theirs else None
-        met = None if value is None else (value <= limit if op == "<=" else value >= limit)
+        met = None if value is None else _OPS[op](value, limit)
         out.append({"name": name, "what": text, "value": value, "op": op, "limit": limit,
                     "met": met})
     if mine is not None:
@@ -199,9 +238,10 @@ def fmt_n(value: float | None, digits: int = 1) -> str:
 
 LATENCY_COLUMNS = ("policy", "TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p99",
                    "E2E p50", "E2E p99", "req/s", "out tok/s", "tok/s to last", "errors",
-                   "P50 TTFT vs LR", "P99 TTFT vs LR", "tok/s vs LR")
+                   "P50 TTFT vs LR", "P99 TTFT vs LR", "tok/s vs LR", "P99 TTFT vs ref",
+                   "tok/s vs ref")
 HEALTH_COLUMNS = ("policy", "client lag p99", "client CPU s", "sim lag p99", "sim lag max",
-                  "sim CPU %", "unfinished", "drain before")
+                  "sim CPU %", "streams peak", "streams mean", "unfinished", "drain before")
 
 
 def latency_rows(report: Mapping[str, Any]) -> list[list[str]]:
@@ -215,7 +255,9 @@ def latency_rows(report: Mapping[str, Any]) -> list[list[str]]:
                      fmt_n(m["output_tokens_per_s"], 0), fmt_n(m["output_tokens_per_s_to_last"], 0),
                      str(m["errors"]),
                      fmt_x(r["ttft_p50_vs_least_request"]), fmt_x(r["ttft_p99_vs_least_request"]),
-                     fmt_x(r["output_tokens_per_s_vs_least_request"])])
+                     fmt_x(r["output_tokens_per_s_vs_least_request"]),
+                     fmt_x(r.get(f"ttft_p99_vs_{REFERENCE}")),
+                     fmt_x(r.get(f"output_tokens_per_s_vs_{REFERENCE}"))])
     return rows
 
 
@@ -228,13 +270,19 @@ def health_rows(report: Mapping[str, Any]) -> list[list[str]]:
                      f"{sim.get('loop_lag_p99_ms', 0.0):.1f} ms",
                      f"{sim.get('loop_lag_max_ms', 0.0):.0f} ms",
                      f"{sim.get('cpu_percent', 0.0):.0f}",
+                     fmt_n(sim.get("in_flight_peak"), 0), fmt_n(sim.get("in_flight_mean"), 0),
                      str(entry["summary"]["unfinished"]), f"{entry['drain_before_s']:.1f} s"])
     return rows
 
 
 def target_lines(report: Mapping[str, Any]) -> list[str]:
-    lines = []
-    for t in report["comparison"]["targets"]:
+    cmp = report["comparison"]
+    if cmp.get("target_set") == "homogeneous":
+        lines = [f"targets (homogeneous fleet): trimtab no worse than least_request within "
+                 f"noise, tolerance {cmp['tolerance']:g}"]
+    else:
+        lines = ["targets (heterogeneous fleet, the issue's)"]
+    for t in cmp["targets"]:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         value = "-" if t["value"] is None else f"{t['value']:.3g}"
         lines.append(f"{t['what']}: {value} (target {t['op']} {t['limit']:g}) -> {verdict}")
@@ -277,6 +325,75 @@ def print_report(report: Mapping[str, Any]) -> None:
         console.print(table)
     for line in target_lines(report):
         console.print(line, highlight=False)
+
+
+# ---- several seeds ------------------------------------------------------------------------
+def _stats(values: Sequence[float | None]) -> dict[str, float | int | None]:
+    """min / median / max of the known values (None when there is none), and their count."""
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return {"min": None, "median": None, "max": None, "n": 0}
+    mid = len(known) // 2
+    median = known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+    return {"min": known[0], "median": median, "max": known[-1], "n": len(known)}
+
+
+def spread(docs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """Across the ``{seed: bench.json}`` runs: min/median/max of every ratio of every policy,
+    and of every target's value with the number of seeds on which it was met."""
+    cmps = [doc["comparison"] for doc in docs.values()]
+    ratios: dict[str, dict[str, Any]] = {}
+    for cmp in cmps:
+        for policy, row in cmp["ratios"].items():
+            for key in row:
+                ratios.setdefault(policy, {}).setdefault(key, None)
+    for policy, keys in ratios.items():
+        for key in keys:
+            keys[key] = _stats([c["ratios"].get(policy, {}).get(key) for c in cmps])
+    goals: dict[str, dict[str, Any]] = {}
+    for cmp in cmps:
+        for t in cmp["targets"]:
+            goals.setdefault(t["name"], {"what": t["what"], "op": t["op"], "limit": t["limit"],
+                                         "values": [], "met": 0, "of": 0})
+            goal = goals[t["name"]]
+            goal["values"].append(t["value"])
+            goal["met"] += t["met"] is True
+            goal["of"] += t["met"] is not None
+    for goal in goals.values():
+        goal.update(_stats(goal.pop("values")))
+    return {"seeds": list(docs), "ratios": ratios, "targets": goals}
+
+
+SPREAD_COLUMNS = ("policy", "ratio", "min", "median", "max", "seeds")
+SPREAD_TABLE = ("ttft_p50", "ttft_p99", "output_tokens_per_s")  # the rest: spread.json
+
+
+def spread_rows(doc: Mapping[str, Any]) -> list[list[str]]:
+    """The table's rows: P50/P99 TTFT and tokens/s ratios, without a policy against itself."""
+    rows = []
+    for policy, keys in doc["ratios"].items():
+        for key, st in keys.items():
+            metric, _, base = key.partition("_vs_")
+            if st["n"] and metric in SPREAD_TABLE and base != policy:
+                rows.append([policy, key, fmt_x(st["min"]), fmt_x(st["median"]),
+                             fmt_x(st["max"]), str(st["n"])])
+    return rows
+
+
+def spread_lines(doc: Mapping[str, Any]) -> list[str]:
+    def num(v: float | None) -> str:
+        return "-" if v is None else f"{v:.3g}"
+    def verdict(g: Mapping[str, Any]) -> str:
+        return f"met on {g['met']} of {g['of']} seeds" if g["of"] else "n/a"
+    return [f"{g['what']}: min {num(g['min'])} / median {num(g['median'])} / max "
+            f"{num(g['max'])} (target {g['op']} {g['limit']:g}) -> {verdict(g)}"
+            for g in doc["targets"].values()]
+
+
+def print_spread(doc: Mapping[str, Any]) -> None:
+    seeds = ",".join(map(str, doc["seeds"]))
+    print(f"\nspread over seeds {seeds}\n{plain_table(SPREAD_COLUMNS, spread_rows(doc))}")
+    print("\n".join(["", *spread_lines(doc)]), flush=True)
 
 
 # ---- files --------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from xds_server.envoy_process import EnvoyError, EnvoyProcess, free_port
 from xds_server.loadgen.runner import LagProbe, RequestRecord, make_session, send_one
 from xds_server.loadgen.workload import Workload, build_schedule, endpoint_path, request_body
 
-from . import envoy_configs
+from . import envoy_configs, reference
 
 STOP_TIMEOUT_S = 5.0
 READY_TIMEOUT_S = 30.0
@@ -234,7 +234,9 @@ class SimFleetProcess:
 
 # ---- Envoy (+ trimtab) for one policy -----------------------------------------------------
 class PolicyStack:
-    """Envoy in front of the fleet for one policy; for ``trimtab`` also ``trimtab serve``."""
+    """Envoy in front of the fleet for one policy; for ``trimtab`` and ``reference`` also
+    ``trimtab serve`` (``reference``: :data:`reference.COMPOSITE` every
+    :data:`reference.INTERVAL_S`, one pool, whatever the other arguments say)."""
 
     def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "composite",
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
@@ -242,8 +244,11 @@ class PolicyStack:
                  long_context: envoy_configs.LongContext | None = None) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
+        if policy == envoy_configs.REFERENCE:
+            weights, interval, composite = "composite", reference.INTERVAL_S, reference.COMPOSITE
+            long_context = None
         self.policy, self.fleet, self.workdir = policy, fleet, workdir
-        self.weights, self.interval, self.composite = weights, interval, composite or {}
+        self.weights, self.interval, self.composite = weights, interval, dict(composite or {})
         self.long_context = long_context
         self.listener_port = listener_port or free_port()
         self.envoy_admin_port = free_port()
@@ -263,8 +268,12 @@ class PolicyStack:
     def trimtab_admin_url(self) -> str | None:
         return f"http://127.0.0.1:{self.trimtab_admin_port}" if self.trimtab else None
 
+    @property
+    def via_trimtab(self) -> bool:
+        return self.policy in envoy_configs.XDS_POLICIES
+
     def bootstrap(self, xds_port: int = 0) -> dict[str, Any]:
-        if self.policy == "trimtab":
+        if self.via_trimtab:
             return envoy_configs.dynamic_bootstrap(xds_port=xds_port,
                                                    admin_port=self.envoy_admin_port)
         return envoy_configs.static_bootstrap(self.policy, self.fleet.addresses,
@@ -273,7 +282,7 @@ class PolicyStack:
 
     def start(self) -> None:
         """Start and wait until Envoy routes to every host of the fleet."""
-        xds_port = self._start_trimtab() if self.policy == "trimtab" else 0
+        xds_port = self._start_trimtab() if self.via_trimtab else 0
         bootstrap = self.bootstrap(xds_port)
         (self.workdir / f"envoy-{self.policy}.yaml").write_text(yaml.safe_dump(bootstrap))
         self.envoy.start(bootstrap, self.workdir / f"envoy-{self.policy}.log")
@@ -291,11 +300,12 @@ class PolicyStack:
             admin_port=self.trimtab_admin_port, listener_port=self.listener_port,
             weights=self.weights, interval=self.interval, composite=self.composite,
             long_context=self.long_context)
-        path = self.workdir / "trimtab.yaml"
+        name = "trimtab" if self.policy == "trimtab" else f"trimtab-{self.policy}"
+        path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         self.trimtab = ChildProcess("trimtab serve", cli_command(
             "--log-level", "warning", "serve", "--config", str(path)),
-            self.workdir / "trimtab.log")
+            self.workdir / f"{name}.log")
         self.trimtab.start()
         wait_until(lambda: http_json(f"{self.trimtab_admin_url}/readyz", 0.5) is not None,
                    READY_TIMEOUT_S, "trimtab /readyz", self.trimtab.check_alive)
