@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from xds_server.config import parse_config, parse_host_port
+from xds_server.config import load_config, parse_config, parse_host_port
 from xds_server.envoy_process import EnvoyError, validate_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -227,6 +227,56 @@ def test_trimtab_config_in_the_configmap_is_valid_and_matches_the_ports():
     assert config.admin.host_port.port == container_port("trimtab", "admin") == 19100
     assert config.listener.host_port.port == container_port("envoy", "http")
     assert [p.name for p in config.pools] == ["llama3-8b"]
+
+
+def test_trimtab_config_file_loads_with_trimtabs_loader():
+    config = load_config(DEPLOY / "config" / "trimtab.yaml")  # what `trimtab serve` reads
+    assert config == trimtab_config()  # the ConfigMap carries exactly that file
+
+
+def _scaled_object() -> dict[str, Any]:
+    return find("ScaledObject", "vllm-llama3-8b")
+
+
+def _service_port_by_number(service: str, port: int) -> dict[str, Any]:
+    (entry,) = [p for p in find("Service", service)["spec"]["ports"] if p["port"] == port]
+    return entry
+
+
+def test_keda_scaler_port_agrees_everywhere():
+    config = trimtab_config()
+    assert config.keda.address is not None, "no keda.address: the scaler would never start"
+    keda = parse_host_port(config.keda.address)
+    assert keda.host == "0.0.0.0"
+    (trigger,) = _scaled_object()["spec"]["triggers"]
+    target = parse_host_port(trigger["metadata"]["scalerAddress"])
+    assert target.host == TRIMTAB_DNS
+    service_entry = _service_port_by_number("trimtab", target.port)  # what KEDA dials
+    assert service_entry["targetPort"] == "scaler"
+    assert keda.port == container_port("trimtab", "scaler") == 19200
+
+
+def test_pool_scaling_bounds_match_the_scaledobject():
+    scaled = _scaled_object()
+    (trigger,) = scaled["spec"]["triggers"]
+    scaling = trimtab_config().pool(trigger["metadata"]["pool"]).scaling
+    assert scaling is not None, "the pool KEDA scales has no `scaling` policy"
+    assert scaling.max_replicas == scaled["spec"]["maxReplicaCount"]
+    assert scaling.min_replicas == scaled["spec"]["minReplicaCount"]
+
+
+def test_pool_discovers_the_scaled_vllm_service():
+    (trigger,) = _scaled_object()["spec"]["triggers"]
+    pool = trimtab_config().pool(trigger["metadata"]["pool"])
+    assert pool.discovery is not None and not pool.endpoints  # no static pod IPs
+    k8s = pool.discovery.kubernetes
+    assert k8s.namespace == kustomization()["namespace"] and k8s.api_server is None
+    service = find("Service", k8s.service)
+    assert k8s.port_name in {p["name"] for p in service["spec"]["ports"]}
+    target = _scaled_object()["spec"]["scaleTargetRef"]
+    assert target["name"] in {w["metadata"]["name"] for w in _templates_selected_by(service)}
+    # discovered endpoints carry no dcgm_url: the weights must come from the model server
+    assert trimtab_config().weights.policy == "composite"
 
 
 def test_trimtab_deployment_contract():

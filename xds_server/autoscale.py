@@ -61,6 +61,8 @@ class Autoscaler:
         for name in [n for n in self.states if n not in self.pools]:
             del self.states[name]
             self.source.remove(name)
+            SCALE_SCORE.remove(name)  # a removed pool leaves no series behind
+            DESIRED_REPLICAS.remove(name)
 
     def tick(self, weights: Mapping[str, PoolWeights], slo: SloTracker, now: float) -> None:
         for name, pool in self.pools.items():
@@ -81,3 +83,5 @@ class Autoscaler:
             DESIRED_REPLICAS.labels(pool=name).set(decision.desired_replicas)
             if score is not None:
                 SCALE_SCORE.labels(pool=name).set(score)
+            else:
+                SCALE_SCORE.remove(name)  # no telemetry: no score, rather than a stale one

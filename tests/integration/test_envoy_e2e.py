@@ -1,7 +1,8 @@
 """trimtab end to end: the CLI as a subprocess driving a real Envoy, over SotW and Delta ADS.
 
-Every test runs once per xDS flavour (see ``shared_stack`` in conftest). Timing assertions are
-derived from the configured tick (``INTERVAL_S``) plus a small allowance (``SLACK_S``).
+Every test runs once per xDS flavour (see ``shared_stack`` in conftest). Timing assertions
+count trimtab's ticks (``/readyz`` ``ticks``) where they can, else are derived from the
+configured tick (``INTERVAL_S``) plus a small allowance (``SLACK_S``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import socket
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import pytest
@@ -27,6 +29,7 @@ from tests.integration.conftest import (
     TOTAL_MIB,
     Stack,
     expected_weight,
+    http_json,
     wait_for,
 )
 
@@ -101,16 +104,56 @@ def test_round_robin_split_follows_weights(stack: Stack) -> None:
         assert abs(share - target) <= SPLIT_TOLERANCE, (address, share, target, dict(counts))
 
 
+def _wait_envoy_counting_ticks(stack: Stack, pool: str, want: dict[str, int]) -> int:
+    """Poll Envoy until ``pool`` shows ``want``; return trimtab's tick count read right after
+    Envoy was first seen with it (an upper bound on the count when the change landed). The
+    wall-clock timeout is only a safety net; callers assert on the tick count."""
+    seen: list[int] = []
+
+    def probe() -> dict[str, int]:
+        weights = stack.envoy_weights(pool)
+        if weights == want:
+            seen.append(stack.trimtab.ticks())
+        return weights
+
+    wait_for(probe, SETTLE_S, f"Envoy {pool} weights {want}",
+             check=lambda weights: weights == want, every=0.01)
+    return seen[0]
+
+
+def _convergence(stack: Stack) -> tuple[float, float]:
+    """(count, sum) of trimtab_convergence_seconds for this stack's xDS flavour."""
+    count = stack.trimtab.metric("trimtab_convergence_seconds_count", api=stack.api) or 0.0
+    total = stack.trimtab.metric("trimtab_convergence_seconds_sum", api=stack.api) or 0.0
+    return count, total
+
+
+def _counted_more(floor: float, now: tuple[float, float]) -> bool:
+    return now[0] > floor
+
+
 def test_metric_change_reaches_envoy_within_one_tick(stack: Stack) -> None:
-    deadline = INTERVAL_S + SLACK_S
     for pool, position, pct in (("alpha", 0, 80.0), ("beta", 1, 4.0)):
         want = {**stack.expected(pool)}
         want[stack.addresses(pool)[position]] = expected_weight(TOTAL_MIB * pct / 100, TOTAL_MIB)
         assert want != stack.envoy_weights(pool)  # a real change
-        changed_at = time.monotonic()
+        count_before, sum_before = _convergence(stack)
         stack.set_pct(pool, position, pct)
-        seen_at = stack.wait_envoy(pool, want, timeout=deadline)
-        assert seen_at - changed_at <= deadline
+        # Read just after the change: tick ``done + 1`` is in progress (it may have scraped
+        # the old value already), so tick ``done + 2`` reads the new one and must publish it.
+        done = stack.trimtab.ticks()
+        seen_at_tick = _wait_envoy_counting_ticks(stack, pool, want)
+        assert seen_at_tick <= done + 2, (
+            f"{pool}: Envoy had the change only at tick {seen_at_tick}; the change was made "
+            f"after tick {done}, so it was due by the end of tick {done + 2}")
+        # The ACK of that ClusterLoadAssignment completes a convergence observation: the time
+        # from the telemetry read to the ACK, at most one tick plus the push allowance.
+        count, total = wait_for(lambda: _convergence(stack), INTERVAL_S + SLACK_S,
+                                "trimtab_convergence_seconds observed the ACK",
+                                check=partial(_counted_more, count_before))
+        assert count > 0
+        mean = (total - sum_before) / (count - count_before)
+        assert 0 < mean <= INTERVAL_S + SLACK_S, mean
 
 
 def test_model_routing_by_body_and_header(stack: Stack) -> None:
@@ -150,15 +193,34 @@ def _change_beta_and_wait(stack: Stack, pcts: list[float]) -> None:
         stack.wait_envoy("beta", stack.expected("beta"), timeout=INTERVAL_S + SLACK_S)
 
 
+def _nack_log(stack: Stack) -> dict[str, Any]:
+    status, body = http_json(stack.trimtab.url("/v1/nacks"))
+    assert status == 200, body
+    return body
+
+
+def _current_eds_version(stack: Stack, name: str) -> str:
+    status, body = http_json(stack.trimtab.url("/v1/snapshot"))
+    assert status == 200, body
+    return body["current"]["types"]["eds"]["resources"][name]
+
+
 def test_invalid_resource_is_nacked_and_not_resent(stack: Stack) -> None:
     rejected = "cluster.alpha.update_rejected"
     before_rejected, before_nacks = stack.stat(rejected), _eds_nacks(stack)
+    before_logged = _nack_log(stack)["total"]
     good = stack.envoy_weights("alpha")
     stack.trimtab.set_invalid_weight("alpha", True)
     wait_for(lambda: stack.stat(rejected), SETTLE_S, f"{rejected} == {before_rejected + 1}",
              check=lambda value: value == before_rejected + 1)
     wait_for(lambda: _eds_nacks(stack), SETTLE_S, "trimtab counted the NACK",
              check=lambda value: value >= before_nacks + 1)
+    log = wait_for(lambda: _nack_log(stack), SETTLE_S, "the NACK in /v1/nacks",
+                   check=lambda doc: doc["total"] == before_logged + 1)
+    record = log["recent"][0]  # newest first
+    assert (record["node"], record["api"], record["type"]) == ("envoy-local", stack.api, "eds")
+    assert record["rejected"]["alpha"] == _current_eds_version(stack, "alpha")  # the broken one
+    assert record["nonce"] and record["detail"].strip(), record
     nacks = _eds_nacks(stack)
     ticks = stack.trimtab.ticks()
     _change_beta_and_wait(stack, [5.0, 35.0, 65.0])  # other pools keep updating
@@ -221,10 +283,11 @@ def _port_closed(port: int) -> bool:
         return sock.connect_ex(("127.0.0.1", port)) != 0
 
 
-def test_sigterm_stops_gracefully(stack: Stack) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_stop_signal_shuts_down_gracefully(stack: Stack, sig: signal.Signals) -> None:
     assert _reconnected(stack)  # an xDS stream is open while it shuts down
     started = time.monotonic()
-    assert stack.trimtab.stop(signal.SIGTERM, timeout=5.0) == 0
+    assert stack.trimtab.stop(sig, timeout=5.0) == 0  # not killed, exit status 0
     assert time.monotonic() - started < 5.0
     assert _port_closed(stack.trimtab.admin_port) and _port_closed(stack.xds_port)
     wait_for(lambda: stack.envoy.stat("control_plane.connected_state"), SETTLE_S,
