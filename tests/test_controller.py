@@ -9,10 +9,10 @@ import math
 from dataclasses import replace
 
 import pytest
-from aiohttp import web
 from envoy.config.cluster.v3 import cluster_pb2
 from prometheus_client import REGISTRY
 
+from tests.support.backends import serve_pages
 from tests.xds_fixtures import cluster
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
@@ -205,17 +205,6 @@ def _vllm_page(kv: str, queue: int) -> str:
                    for name, value in rows.items())
 
 
-async def _pages(pages: dict[str, str]) -> tuple[web.AppRunner, int]:
-    async def page(request: web.Request) -> web.Response:
-        return web.Response(text=pages[request.path])
-
-    app = web.Application()
-    for path in pages:
-        app.router.add_get(path, page)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
 
 
 def _with_port(config, port: int):
@@ -231,7 +220,7 @@ def _errors(pool: str) -> float:
 
 def test_nan_kv_usage_flags_the_endpoint_and_never_reaches_its_weight(caplog):
     async def scenario() -> Controller:
-        runner, port = await _pages({"/nan": _vllm_page("NaN", 8), "/ok": _vllm_page("0.5", 8)})
+        runner, port = await serve_pages({"/nan": _vllm_page("NaN", 8), "/ok": _vllm_page("0.5", 8)})
         clock = [1000.0]
         controller = Controller(_with_port(COMPOSITE, port), SnapshotCache(),
                                 clock=lambda: clock[0])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from tests.support.backends import BackendFleet, VllmPage, vllm_text
+from tests.support.backends import BackendFleet, VllmPage, serve_pages, vllm_text
 from xds_server.cache import SnapshotCache
 from xds_server.config import EndpointConfig, parse_config
 from xds_server.controller import Controller
@@ -20,18 +20,6 @@ from xds_server.telemetry import Scraper, ScrapeResult
 TIMEOUT = 0.5
 
 
-async def _serve(pages: dict[str, str], delay_s: float = 0.0) -> tuple[web.AppRunner, int]:
-    async def page(request: web.Request) -> web.Response:
-        await asyncio.sleep(delay_s)
-        return web.Response(text=pages[request.path])
-
-    app = web.Application()
-    for path in pages:
-        app.router.add_get(path, page)
-    runner = web.AppRunner(app, shutdown_timeout=1.0)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    return runner, runner.addresses[0][1]
 
 
 # --- scrape: the node's DCGM page next to the model page -------------------------------------
@@ -42,7 +30,7 @@ def test_dcgm_failure_is_reported_and_the_last_gpu_memory_held_for_stale_after()
             "gpu_mem_pct, gpu_util_pct (for at most 6s)")
 
     async def scenario(fleet: BackendFleet) -> list[ScrapeResult]:
-        runner, port = await _serve({"/metrics": vllm_text(VllmPage(kv_usage=0.25, waiting=2))})
+        runner, port = await serve_pages({"/metrics": vllm_text(VllmPage(kv_usage=0.25, waiting=2))})
         endpoint = EndpointConfig(address=f"127.0.0.1:{port}", gpu="0",
                                   dcgm_url=f"http://{fleet.addresses[0]}/metrics")
         source = ScrapeSource(Scraper(TIMEOUT), with_slo=False, hold_seconds=6.0)
@@ -75,7 +63,7 @@ def test_dcgm_failure_is_reported_and_the_last_gpu_memory_held_for_stale_after()
 def test_model_and_dcgm_pages_are_scraped_concurrently() -> None:
     async def scenario(fleet: BackendFleet) -> tuple[dict[str, ScrapeResult], float]:
         page = vllm_text(VllmPage(kv_usage=0.5))
-        runner, port = await _serve({"/a": page, "/b": page}, delay_s=0.6 * TIMEOUT)
+        runner, port = await serve_pages({"/a": page, "/b": page}, delay_s=0.6 * TIMEOUT)
         dcgm = f"http://{fleet.addresses[0]}/metrics"  # hangs: every DCGM scrape times out
         endpoints = [EndpointConfig(address=f"10.0.0.{i}:80", gpu=str(i), dcgm_url=dcgm,
                                     metrics_url=f"http://127.0.0.1:{port}/{name}")

@@ -475,3 +475,19 @@ class BackendFleet:
 
         for i in range(len(self.backends)):
             self._update(i, apply)
+
+
+async def serve_pages(pages: dict[str, str], delay_s: float = 0.0) -> tuple[web.AppRunner, int]:
+    """A real aiohttp server on a free loopback port answering GET ``path`` with
+    ``pages[path]`` after ``delay_s``; returns the runner (clean up) and the port."""
+    async def page(request: web.Request) -> web.Response:
+        await asyncio.sleep(delay_s)
+        return web.Response(text=pages[request.path])
+
+    app = web.Application()
+    for path in pages:
+        app.router.add_get(path, page)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, runner.addresses[0][1]
