@@ -46,6 +46,6 @@ POOL_FAIL_STATIC = Gauge("trimtab_pool_fail_static",
 CONVERGENCE_SECONDS = Histogram(
     "trimtab_convergence_seconds",
     "From the telemetry read that changed a ClusterLoadAssignment to the client's ACK of it "
-    "(once per stream and resource version)", ["api"],
+    "(once per ACKed response that carried a change; its oldest)", ["api"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
              30.0))
