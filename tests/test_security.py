@@ -784,8 +784,10 @@ def test_rate_limiter_forgets_idle_peers() -> None:
     assert not limiter.allow("busy", 1.5)  # "busy" kept its (half-empty) bucket
 
 
-def test_rate_key_is_the_client_host_and_its_first_identity() -> None:
-    assert StreamAccess("ipv4:10.0.0.1:5000", []).rate_key == "10.0.0.1"
+def test_rate_key_is_the_identity_and_host_or_else_the_connection() -> None:
+    assert StreamAccess("ipv4:10.0.0.1:5000", []).rate_key == "ipv4:10.0.0.1:5000"
+    assert StreamAccess("ipv4:10.0.0.1:5001", []).rate_key != \
+        StreamAccess("ipv4:10.0.0.1:5000", []).rate_key
     assert StreamAccess("ipv4:10.0.0.1:5001", ["spiffe://a", "b"]).rate_key == "spiffe://a@10.0.0.1"
     assert StreamAccess("ipv6:[::1]:7", ["b"]).rate_key == "b@[::1]"
 

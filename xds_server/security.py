@@ -568,11 +568,13 @@ class StreamAccess:
 
     @property
     def rate_key(self) -> str:
-        """Rate limits apply per client host and certificate identity, ``<first SAN>@<IP>``
-        (else the IP): a client cannot reset its bucket by reconnecting from another port.
-        Clients behind one address (a NAT, one node) with the same identity share a bucket."""
-        host = peer_host(self.peer)
-        return f"{self.identities[0]}@{host}" if self.identities else host
+        """With a client certificate, rate limits apply per identity and host,
+        ``<first SAN>@<IP>``: that client cannot reset its bucket by reconnecting. Without
+        one, per connection (the peer with its port): a plaintext peer proves no identity,
+        and one bucket per IP would make every Envoy behind a NAT or on one node share it."""
+        if not self.identities:
+            return self.peer
+        return f"{self.identities[0]}@{peer_host(self.peer)}"
 
 
 class XdsGuard:
