@@ -148,3 +148,24 @@ def test_top_level_bootstrap_validates_and_matches_the_local_example() -> None:
     cmd = [envoy_binary(), "--mode", "validate", "--disable-hot-restart", "-c", str(bootstrap)]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
+    import socket
+
+    from xds_server.envoy_process import _ephemeral_range, free_port
+    low, high = _ephemeral_range()
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert not [p for p in ports if low <= p <= high]
+    # a server binding port 0 (as the test backends do) is never handed one of them
+    held = []
+    for _ in range(200):
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.bind(("127.0.0.1", 0))
+        held.append(sock)
+    try:
+        assert not {s.getsockname()[1] for s in held} & set(ports)
+    finally:
+        for sock in held:
+            sock.close()

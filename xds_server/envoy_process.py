@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -48,9 +49,43 @@ def envoy_binary() -> str:
     return path
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+_HANDED_OUT: set[int] = set()
+_FREE_PORT_RANGE = (20000, 32000)  # below Linux's default ephemeral range (32768-60999)
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def _bindable(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago, for a process started later to
+    bind. It is drawn outside the kernel's ephemeral range, so a server binding port 0 or an
+    outgoing connection cannot take it in the meantime (that race made a test backend grab
+    Envoy's listener port), and never twice from one process."""
+    low, high = _FREE_PORT_RANGE
+    eph_low, eph_high = _ephemeral_range()
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(low, high)
+        if eph_low <= port <= eph_high or port in _HANDED_OUT:
+            continue
+        if _bindable(port):
+            _HANDED_OUT.add(port)
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # no luck: the old way
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
 
