@@ -191,6 +191,10 @@ def test_pool_without_telemetry_is_fail_static_and_envoy_keeps_its_weights(stack
     fail_static_within = STALE_AFTER_S + 2 * INTERVAL_S + SLACK_S
     with Traffic(stack.listener_port, MODELS["alpha"]) as traffic:
         traffic.wait_count(WARM_REQUESTS // 2)
+        # Switch every page just after a tick, so that all three lose telemetry in the same
+        # tick: one that lost it a tick earlier would pass stale_after first and get weight 1
+        # before the pool as a whole goes fail-static (that is correct, but not this test).
+        stack.trimtab.wait_ticks(1)
         lost_at = time.monotonic()
         modes: tuple[MetricsMode, ...] = ("garbage", "error", "hang")
         for index, mode in zip(stack.members["alpha"], modes, strict=True):
