@@ -18,9 +18,9 @@ def _count(api: str) -> float:
 def test_only_changed_assignments_are_stamped() -> None:
     tracker = Convergence()
     before = snapshot(BASE)
-    assert tracker.published(None, before, read_at=10.0) == len(BASE)
+    assert tracker.published(before, read_at=10.0) == len(BASE)
     after = snapshot({**BASE, "a": {"10.0.0.1:80": 51, "10.0.0.2:80": 50}})
-    assert tracker.published(before, after, read_at=12.0) == 1
+    assert tracker.published(after.reusing(before), read_at=12.0) == 1
     a, b = after.of_type(T.ENDPOINT)["a"], after.of_type(T.ENDPOINT)["b"]
     assert tracker.stamp_of("a", a.version) == 12.0
     assert tracker.stamp_of("b", b.version) == 10.0  # unchanged: keeps its first stamp
@@ -28,14 +28,14 @@ def test_only_changed_assignments_are_stamped() -> None:
 
 def test_a_config_only_publish_is_not_stamped() -> None:
     tracker = Convergence()
-    assert tracker.published(None, snapshot(BASE), read_at=None) == 0
+    assert tracker.published(snapshot(BASE), read_at=None) == 0
     assert not tracker.stamps
 
 
 def test_an_ack_observes_its_oldest_delay_once() -> None:
     tracker = Convergence()
     snap = snapshot(BASE)
-    tracker.published(None, snap, read_at=100.0)
+    tracker.published(snap, read_at=100.0)
     stream = StreamConvergence(tracker, api="unit")
     eds = tuple(snap.of_type(T.ENDPOINT).values())
     stream.sent(T.ENDPOINT, "n1", eds)
@@ -50,10 +50,10 @@ def test_an_ack_observes_its_oldest_delay_once() -> None:
 def test_nacked_responses_are_forgotten_and_memory_is_bounded() -> None:
     tracker = Convergence(max_versions=3)
     first = snapshot(BASE)
-    tracker.published(None, first, read_at=1.0)
+    tracker.published(first, read_at=1.0)
     for step in range(5):
         nxt = snapshot({**BASE, "a": {"10.0.0.1:80": 60 + step, "10.0.0.2:80": 50}})
-        tracker.published(first, nxt, read_at=2.0 + step)
+        tracker.published(nxt.reusing(first), read_at=2.0 + step)
         first = nxt
     assert len(tracker.stamps) == 3
     stream = StreamConvergence(tracker, api="unit")

@@ -117,9 +117,8 @@ async def _two_eds_pushes(channel, cache, servicer):
     await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", "b"],
                                       response_nonce=first.nonce, version_info=first.version_info))
     await asyncio.sleep(0.05)
-    previous = cache.snapshot
-    cache.set_snapshot(snapshot({**BASE, "b": {"10.0.1.1:80": 33}}))
-    cache.convergence.published(previous, cache.snapshot, time.monotonic() - 0.05)
+    cache.set_snapshot(snapshot({**BASE, "b": {"10.0.1.1:80": 33}}),
+                       read_at=time.monotonic() - 0.05)
     second = await asyncio.wait_for(call.read(), 5)
     await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", "b"],
                                       response_nonce=second.nonce,

@@ -35,11 +35,14 @@ class SnapshotCache:
     def snapshot(self) -> Snapshot | None:
         return self._snapshot
 
-    def set_snapshot(self, snapshot: Snapshot) -> bool:
-        """Publish `snapshot`. Returns False (and wakes nobody) when nothing changed."""
+    def set_snapshot(self, snapshot: Snapshot, read_at: float | None = None) -> bool:
+        """Publish `snapshot`. Returns False (and wakes nobody) when nothing changed.
+        `read_at` (monotonic) is when the telemetry behind it was read: the changed EDS
+        resources are stamped with it for the convergence histogram."""
         if self._snapshot is not None and snapshot.version == self._snapshot.version:
             return False
         self._snapshot = snapshot.reusing(self._snapshot)
+        self.convergence.published(self._snapshot, read_at)
         self.generation += 1
         for wake in list(self._watchers):
             wake()

@@ -225,10 +225,9 @@ class Controller:
             log.error("refusing snapshot, keeping the last good one: %s", exc)
             return False
         previous = self.cache.snapshot
-        if not self.cache.set_snapshot(snapshot):
+        if not self.cache.set_snapshot(snapshot, read_at):
             return False
         self.stats.published += 1
-        self.cache.convergence.published(previous, snapshot, read_at)
         metrics.SNAPSHOTS.inc()
         log.info("published snapshot %s (%s)", snapshot.version, _describe_change(previous, snapshot))
         return True

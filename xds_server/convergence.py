@@ -1,8 +1,8 @@
 """Convergence: from the telemetry read that changed an endpoint's weight to Envoy's ACK of it.
 
-The controller tells the tracker when it read the telemetry a snapshot was built from
-(:meth:`Convergence.published`); every ClusterLoadAssignment whose version changed in that
-snapshot is stamped with that time. A stream records which EDS resource versions each of its
+The controller tells the cache when it read the telemetry a snapshot was built from
+(``SnapshotCache.set_snapshot(snapshot, read_at)``); every ClusterLoadAssignment that the
+published snapshot records as changed (``Snapshot.changes``) is stamped with that time. A stream records which EDS resource versions each of its
 responses carried (:class:`StreamConvergence`), and when Envoy ACKs that response the delay
 from the oldest stamp it carried to the ACK is observed once in ``trimtab_convergence_seconds``
 (the CLAs of one tick share one stamp, so per resource would only repeat the figure). Config-only publishes (a reload) carry no telemetry time and
@@ -32,23 +32,21 @@ class Convergence:
     max_versions: int = MAX_VERSIONS
     stamps: OrderedDict[tuple[str, str], float] = field(default_factory=OrderedDict)
 
-    def published(self, previous: Snapshot | None, snapshot: Snapshot,
-                  read_at: float | None) -> int:
-        """Stamp the EDS resources that changed from ``previous``; returns how many."""
+    def published(self, snapshot: Snapshot, read_at: float | None) -> int:
+        """Stamp the EDS resources that changed in ``snapshot`` (a published one, which
+        records its changes; every one if it is the first); returns how many."""
         if read_at is None:
             return 0
-        old = previous.of_type(EDS) if previous is not None else {}
-        stamped = 0
-        for name, res in snapshot.of_type(EDS).items():
-            before = old.get(name)
-            if before is not None and before.version == res.version:
-                continue
-            self.stamps[(name, res.version)] = read_at
-            self.stamps.move_to_end((name, res.version))
-            stamped += 1
+        have = snapshot.of_type(EDS)
+        change = snapshot.changes.get(EDS)
+        names = have.keys() if change is None else change.names & have.keys()
+        for name in names:
+            key = (name, have[name].version)
+            self.stamps[key] = read_at
+            self.stamps.move_to_end(key)
         while len(self.stamps) > self.max_versions:
             self.stamps.popitem(last=False)
-        return stamped
+        return len(names)
 
     def stamp_of(self, name: str, version: str) -> float | None:
         return self.stamps.get((name, version))
