@@ -960,6 +960,15 @@ def test_load_token(tmp_path: Path) -> None:
         load_token(None, "TOKEN", {})
 
 
+def test_load_token_refuses_a_token_no_client_could_send(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s3cr\u00e9t\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="printable ASCII only"):
+        load_token(str(path))
+    with pytest.raises(ValueError, match="TOKEN holds characters"):
+        load_token(None, "TOKEN", {"TOKEN": "a\x07b"})
+
+
 # -- a real Envoy over mTLS ------------------------------------------------------------------
 
 

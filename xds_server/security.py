@@ -700,13 +700,21 @@ def load_token(token_file: str | None = None, token_env: str | None = None,
         token = text.strip().splitlines()[0].strip() if text.strip() else ""
         if not token:
             raise ValueError(f"admin token file {token_file!r} is empty")
-        return token
+        return _ascii_token(token, f"admin token file {token_file!r}")
     if token_env is not None:
         token = (environ if environ is not None else os.environ).get(token_env, "").strip()
         if not token:
             raise ValueError(f"admin token variable {token_env} is unset or empty")
-        return token
+        return _ascii_token(token, f"admin token variable {token_env}")
     return None
+
+
+def _ascii_token(token: str, where: str) -> str:
+    """A bearer token is printable ASCII (RFC 6750 b64token): no client could send another."""
+    if not (token.isascii() and token.isprintable()):
+        raise ValueError(f"{where} holds characters a bearer token cannot carry (printable "
+                         f"ASCII only)")
+    return token
 
 
 def _unauthorized(message: str) -> web.Response:
@@ -727,10 +735,14 @@ def bearer_middleware(token: str | None, protect_reads: bool = False) -> Any:
             return await handler(request)
         if request.method in SAFE_METHODS and not protect_reads:
             return await handler(request)
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: a non-ASCII byte is a
+        # lone surrogate that str.encode() refuses. A token is ASCII, so such a header is
+        # simply a wrong token; only ASCII ever reaches the comparison.
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
             return _unauthorized("this endpoint needs 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), expected):
+        if not given.isascii() or not hmac.compare_digest(given.encode("ascii"), expected):
             return _unauthorized("invalid bearer token")
         return await handler(request)
 
