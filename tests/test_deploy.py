@@ -688,13 +688,25 @@ def test_mtls_overlay_envoy_bootstrap_dials_trimtab_over_mtls_and_checks_its_nam
     assert matcher["san_type"] == "DNS" and matcher["matcher"]["exact"] in server_names
     deployment = _by_name(rendered, "Deployment", "envoy")
     secret = _by_name(rendered, "Certificate", "envoy-xds-client")["spec"]["secretName"]
-    (pair,) = common["tls_certificates"]
+    # the client certificate comes by file-based SDS from a file of the bootstrap ConfigMap,
+    # watching the Secret volume's directory (renewals apply without a restart)
+    assert "tls_certificates" not in common
+    (sds,) = common["tls_certificate_sds_secret_configs"]
+    source = sds["sds_config"]["path_config_source"]
+    mount, _, key = source["path"].rpartition("/")
+    assert _configmap_mounts(deployment)[mount] == "envoy-bootstrap"
+    resources = yaml.safe_load(_configmap_file(rendered, "envoy-bootstrap", key))["resources"]
+    (resource,) = resources
+    assert resource["@type"].endswith("tls.v3.Secret") and resource["name"] == sds["name"]
+    pair = resource["tls_certificate"]
+    watched = {source["watched_directory"]["path"], pair["watched_directory"]["path"]}
     for path, key in ((pair["certificate_chain"]["filename"], "tls.crt"),
                       (pair["private_key"]["filename"], "tls.key"),
                       (common["validation_context"]["trusted_ca"]["filename"], "ca.crt")):
-        source, found = _secret_file(deployment, path)
-        assert (source["secretName"], found) == (secret, key)
-        _fails_closed(source, deployment)
+        volume, found = _secret_file(deployment, path)
+        assert (volume["secretName"], found) == (secret, key)
+        _fails_closed(volume, deployment)
+        assert watched == {path.rpartition("/")[0]}  # the Secret's mount directory
     # only the transport socket differs from the base bootstrap
     plain = copy.deepcopy(bootstrap)
     del plain["static_resources"]["clusters"][0]["transport_socket"]
@@ -726,38 +738,81 @@ def test_mtls_overlay_envoy_certificate_proves_exactly_its_node_cluster():
     assert "server auth" in _by_name(rendered, "Certificate", "trimtab-xds")["spec"]["usages"]
 
 
-def _with_test_certificates(bootstrap: dict[str, Any], tmp_path: Path) -> dict[str, Any]:
-    """The bootstrap with its certificate files replaced by real ones (validate opens them)."""
+class SecretVolume:
+    """A directory laid out as the kubelet writes a Secret volume: each file is a symlink
+    into ``..data``, a symlink to a timestamped directory that an update swaps atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.updates = 0
+        path.mkdir(parents=True)
+
+    def install(self, files: dict[str, bytes]) -> None:
+        import os
+
+        self.updates += 1
+        version = self.path / f"..2026_01_01_00_00_{self.updates:02d}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        os.symlink(version.name, self.path / "..data_tmp")
+        os.replace(self.path / "..data_tmp", self.path / "..data")
+        for name in files:
+            if not (self.path / name).is_symlink():
+                os.symlink(f"..data/{name}", self.path / name)
+
+
+def _envoy_tls_files(ca: Any, leaf: Any) -> dict[str, bytes]:
+    return {"tls.crt": leaf.cert_pem, "tls.key": leaf.key_pem, "ca.crt": ca.path.read_bytes()}
+
+
+def _mount_overlay_envoy(rendered: list[dict[str, Any]], root: Path, tls: dict[str, bytes]
+                         ) -> tuple[dict[str, Any], SecretVolume]:
+    """The overlay's Envoy files as the pod sees them, under `root`: the envoy-bootstrap
+    ConfigMap at <root>/etc/envoy, the Secret volume (holding `tls`) at <root>/etc/envoy-tls.
+    Returns the bootstrap with only those two path prefixes rewritten, and the volume."""
+    def moved(text: str) -> str:
+        return text.replace("/etc/envoy-tls", f"{root}/etc/envoy-tls").replace(
+            "/etc/envoy/", f"{root}/etc/envoy/")
+
+    config = root / "etc" / "envoy"
+    config.mkdir(parents=True)
+    for key, text in _by_name(rendered, "ConfigMap", "envoy-bootstrap")["data"].items():
+        (config / key).write_text(moved(text))
+    volume = SecretVolume(root / "etc" / "envoy-tls")
+    volume.install(tls)
+    return yaml.safe_load((config / "envoy.yaml").read_text()), volume
+
+
+def _test_pki(tmp_path: Path) -> tuple[Any, Any]:
     from tests.support.certs import TestCA
 
-    ca = TestCA.create(tmp_path / "ca")
-    leaf = ca.issue("envoy", uris=["spiffe://trimtab/cluster/trimtab-envoy"])
-    out = copy.deepcopy(bootstrap)
-    common = _tls_context(out)["common_tls_context"]
-    common["tls_certificates"] = [{"certificate_chain": {"filename": str(leaf.cert)},
-                                   "private_key": {"filename": str(leaf.key)}}]
-    common["validation_context"]["trusted_ca"] = {"filename": str(ca.path)}
-    return out
+    ca = TestCA.create(tmp_path / "pki")
+    return ca, ca.issue("envoy", uris=["spiffe://trimtab/cluster/trimtab-envoy"])
 
 
 def test_mtls_overlay_envoy_bootstrap_passes_envoy_validate(tmp_path: Path):
-    bootstrap = _with_test_certificates(_mtls_bootstrap(render(MTLS)), tmp_path)
+    rendered = render(MTLS)
+    ca, leaf = _test_pki(tmp_path)
+    bootstrap, _ = _mount_overlay_envoy(rendered, tmp_path / "pod", _envoy_tls_files(ca, leaf))
     result = _envoy_validate(bootstrap)
     assert result.returncode == 0, result.stdout + result.stderr
     broken = copy.deepcopy(bootstrap)  # the check can fail: a typo in the TLS context
     _tls_context(broken)["common_tls_context"]["validation_context"][
         "match_typed_subject_alt_names"][0]["san_type"] = "DNZ"
     assert _envoy_validate(broken).returncode != 0
-    as_rendered = _envoy_validate(_mtls_bootstrap(render(MTLS)))  # without the Secret's files
-    assert as_rendered.returncode != 0 and "/etc/envoy-tls/" in as_rendered.stdout + \
+    as_rendered = _envoy_validate(_mtls_bootstrap(rendered))  # without the pod's files
+    assert as_rendered.returncode != 0 and "/etc/envoy" in as_rendered.stdout + \
         as_rendered.stderr
 
 
 @pytest.mark.slow
 def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp_path: Path):
-    """A real Envoy on the overlay's bootstrap (only files, ports and the resolved address
-    swapped) against trimtab's guarded xDS server with the overlay's tls and nodes settings,
-    both certificates carrying the SANs of the overlay's Certificate resources."""
+    """A real Envoy on the overlay's bootstrap (only file paths, ports and the resolved
+    address swapped) against trimtab's guarded xDS server with the overlay's tls and nodes
+    settings, both certificates carrying the SANs of the overlay's Certificate resources; a
+    renewal of the Secret reaches Envoy without a restart; the same certificate claiming
+    another cluster is refused."""
     import asyncio
 
     from tests.support.certs import TestCA
@@ -773,29 +828,37 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
     ca = TestCA.create(tmp_path / "pki")
     server = ca.issue("trimtab", dns=server_spec["dnsNames"])
     client = ca.issue("envoy", uris=client_spec["uris"])
+    renewed = ca.issue("envoy-renewed", uris=client_spec["uris"])
+    pods = iter(range(10))
     _, cache = published(with_free_listener(CONFIG))
     guard = XdsGuard(NodeAuthorizer.from_config(config.nodes))
     assert config.xds.tls is not None
 
-    def bootstrap(port: int, cluster: str) -> dict[str, Any]:
-        out = _with_test_certificates(_mtls_bootstrap(rendered), tmp_path)
-        common = _tls_context(out)["common_tls_context"]
-        common["tls_certificates"][0] = {"certificate_chain": {"filename": str(client.cert)},
-                                         "private_key": {"filename": str(client.key)}}
-        common["validation_context"]["trusted_ca"] = {"filename": str(ca.path)}
+    def bootstrap(port: int, cluster: str) -> tuple[dict[str, Any], SecretVolume]:
+        out, volume = _mount_overlay_envoy(rendered, tmp_path / f"pod-{next(pods)}",
+                                           _envoy_tls_files(ca, client))
         (xds,) = out["static_resources"]["clusters"]
         xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
             "socket_address"] = {"address": "127.0.0.1", "port_value": port}
         out["node"] = {"id": "envoy-7d9f8-abcde", "cluster": cluster}
         out["admin"]["address"]["socket_address"] = {"address": "127.0.0.1",
                                                      "port_value": free_port()}
-        return out
+        return out, volume
 
     def clusters(envoy: EnvoyProcess) -> list[str]:
         names = [s["name"] for s in envoy.clusters_json().get("cluster_statuses", [])]
         return sorted(n for n in names if n != "xds_cluster")
 
-    async def scenario() -> tuple[list[str], int, int]:
+    def serials(envoy: EnvoyProcess) -> set[str]:
+        certs = json.loads(envoy.admin_get("/certs"))["certificates"]
+        return {c["serial_number"] for cert in certs for c in cert.get("cert_chain", [])}
+
+    def serial(files: Any) -> str:
+        from cryptography import x509
+
+        return format(x509.load_pem_x509_certificate(files.cert_pem).serial_number, "x")
+
+    async def scenario() -> tuple[list[str], int, int, set[str], set[str]]:
         credentials = server_credentials(str(server.cert), str(server.key), str(ca.path),
                                          config.xds.tls.require_client_cert)  # type: ignore[union-attr]
         grpc_server, port = await start_xds_server(XdsServicer(cache, guard=guard),
@@ -803,24 +866,35 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
         own, other = EnvoyProcess(), EnvoyProcess()
         try:
             cluster = _mtls_bootstrap(rendered)["node"]["cluster"]
-            await asyncio.to_thread(own.start, bootstrap(port, cluster))
+            own_boot, own_volume = bootstrap(port, cluster)
+            await asyncio.to_thread(own.start, own_boot)
             await asyncio.to_thread(own.wait_ready, 20)
             served = clusters(own)
             handshakes = own.stat("cluster.xds_cluster.ssl.handshake") or 0
-            await asyncio.to_thread(other.start, bootstrap(port, cluster + ".eu"))
+            before = serials(own)
+            own_volume.install(_envoy_tls_files(ca, renewed))  # cert-manager renews
+            for _ in range(200):
+                if serial(renewed) in serials(own):
+                    break
+                await asyncio.sleep(0.05)
+            after = serials(own)
+            await asyncio.to_thread(other.start, bootstrap(port, cluster + ".eu")[0])
             await asyncio.to_thread(other.wait_admin, 20)
             for _ in range(200):
                 if guard.denied["permission"]:
                     break
                 await asyncio.sleep(0.05)
             assert clusters(other) == []
-            return served, handshakes, guard.denied["permission"]
+            return served, handshakes, guard.denied["permission"], before, after
         finally:
             await asyncio.to_thread(own.stop)
             await asyncio.to_thread(other.stop)
             await grpc_server.stop(None)
 
-    served, handshakes, denied = asyncio.run(scenario())
+    served, handshakes, denied, before, after = asyncio.run(scenario())
+    # the renewed client certificate replaced the old one without a restart (file SDS)
+    assert serial(client) in before and serial(renewed) not in before
+    assert serial(renewed) in after and serial(client) not in after
     expected = {name for pool in CONFIG.pools for name, _, _ in pool.clusters()}
     assert handshakes > 0 and expected <= set(served), served
     assert denied >= 1  # the same certificate claiming cluster trimtab-envoy.eu
