@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
@@ -132,3 +134,104 @@ def test_weights_document_carries_the_breakdown_trimtab_weights_shows():
             {k: row[k] for k in ("normalised", "shares")}
         assert row["capacity"] == served["breakdown"]["capacity"]
         assert row["problems"] == served["problems"]
+
+
+# -- hostile bytes over real HTTP ------------------------------------------------------------
+
+
+async def _raw_http(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send `request` as raw bytes; (status, headers, body) of the answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        data = await asyncio.wait_for(reader.read(), 5)
+    finally:
+        writer.close()
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, body
+
+
+def _request(method: str, path: bytes, *headers: bytes) -> bytes:
+    lines = [method.encode() + b" " + path + b" HTTP/1.1", b"Host: trimtab",
+             b"Content-Length: 0", b"Connection: close", *headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n"
+
+
+TOKEN = b"s3cret-token"
+NON_ASCII_AUTH = [b"Authorization: Bearer s3cr\xe9t-token", b"Authorization: Bearer \xff\xfe",
+                  b"Authorization: Bearer " + TOKEN + b"\xc3\xa9", b"Authorization: B\xe9arer x",
+                  b"Authorization: \xe9"]
+
+
+def test_non_ascii_authorization_gets_the_json_401_and_no_traceback(caplog):
+    """Issue 12 §5: a non-ASCII byte in Authorization was a plain-text 500 and a traceback."""
+    from xds_server.admin import start_admin
+
+    async def scenario():
+        controller, servicer, nacks = _setup()
+        api = AdminApi(controller, lambda: True, servicer, nacks, token=TOKEN.decode(),
+                       protect_reads=True)
+        runner = await start_admin(api, "127.0.0.1", 0)
+        port = runner.addresses[0][1]
+        try:
+            answers = []
+            for header in NON_ASCII_AUTH:
+                for method, path in (("GET", b"/v1/weights"), ("POST", b"/v1/rollouts/p/pause")):
+                    answers.append((header, *await _raw_http(port, _request(method, path, header))))
+            ok = await _raw_http(port, _request("GET", b"/v1/weights",
+                                                b"Authorization: Bearer " + TOKEN))
+            return answers, ok
+        finally:
+            await runner.cleanup()
+            await controller.close()
+
+    with caplog.at_level("DEBUG"):
+        answers, ok = asyncio.run(scenario())
+    for header, status, headers, body in answers:
+        assert status == 401, (header, status, body)
+        assert headers["content-type"].startswith("application/json"), header
+        assert headers["www-authenticate"].startswith("Bearer"), header
+        assert json.loads(body)["error"]["status"] == 401
+    assert ok[0] == 200
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert "Traceback" not in caplog.text
+
+
+def test_other_hostile_bytes_get_a_4xx_and_no_traceback(caplog):
+    """The same class of bug elsewhere: undecodable escapes in paths and queries, bytes that
+    aiohttp cannot parse (these never reach a handler: 400, one log line, no traceback)."""
+    from xds_server.admin import start_admin
+
+    auth = b"Authorization: Bearer " + TOKEN
+    cases = [
+        (_request("POST", b"/v1/rollouts/%ff%fe/pause", auth), {404}),
+        (_request("POST", b"/v1/rollouts/p/%ff", auth), {400, 404, 409}),
+        (_request("GET", b"/v1/history?since=%ff%fe", auth), {400}),
+        (_request("GET", b"/static/%ff.js", auth), {404}),
+        (_request("GET", b"/v1/weights", auth, b"X-\xe9: 1"), {400}),
+        (_request("GET", b"/v1/weights", auth, b"Host: \xe9\xff"), {400}),
+        (_request("GET", b"/v1/\xe9\xff", auth), {400, 404}),
+    ]
+
+    async def scenario():
+        controller, servicer, nacks = _setup()
+        api = AdminApi(controller, lambda: True, servicer, nacks, token=TOKEN.decode(),
+                       protect_reads=True)
+        runner = await start_admin(api, "127.0.0.1", 0)
+        port = runner.addresses[0][1]
+        try:
+            return [await _raw_http(port, raw) for raw, _ in cases]
+        finally:
+            await runner.cleanup()
+            await controller.close()
+
+    with caplog.at_level("DEBUG"):
+        answers = asyncio.run(scenario())
+    for (raw, allowed), (status, _, body) in zip(cases, answers, strict=True):
+        assert status in allowed, (raw, status, body)
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert "Traceback" not in caplog.text
+    assert "bad HTTP request from 127.0.0.1" in caplog.text

@@ -363,3 +363,96 @@ def test_json_log_format_writes_one_object_per_line(tmp_path: Path,
     assert when.tzinfo is not None and abs((datetime.now(UTC) - when).total_seconds()) < 60
     assert (second["level"], second["message"]) == ("error", "it failed")
     assert "RuntimeError: boom" in second["exc"]
+
+
+# -- bind errors: one line, exit 2 -------------------------------------------------------------
+
+
+def _serve_config(tmp_path: Path, **addresses: str) -> Path:
+    config = yaml.safe_load(POOL)
+    config.update({"xds": {"address": addresses.get("xds", f"127.0.0.1:{free_port()}")},
+                   "admin": {"address": addresses.get("admin", f"127.0.0.1:{free_port()}")},
+                   "keda": {"address": addresses.get("keda", f"127.0.0.1:{free_port()}")},
+                   "rollouts": {"state_file": str(tmp_path / "rollouts.json")}})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    path.chmod(0o644)
+    return path
+
+
+@pytest.mark.parametrize("which", ["xds", "admin", "keda"])
+def test_serve_on_a_port_in_use_exits_2_with_one_line(which: str, tmp_path: Path) -> None:
+    """Issue 12 §5: a port in use printed a gRPC (or aiohttp) traceback."""
+    import socket
+
+    with socket.socket() as occupier:
+        occupier.bind(("127.0.0.1", 0))
+        occupier.listen()
+        address = f"127.0.0.1:{occupier.getsockname()[1]}"
+        result = _cli("serve", "--config", str(_serve_config(tmp_path, **{which: address})),
+                      timeout=30.0)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr.splitlines() == [f"trimtab: cannot listen on {address}: address in use"]
+
+
+def test_serve_on_an_address_not_on_this_host_exits_2_with_one_line(tmp_path: Path) -> None:
+    address = f"192.0.2.1:{free_port()}"  # TEST-NET-1: never a local address
+    result = _cli("serve", "--config", str(_serve_config(tmp_path, admin=address)))
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr.splitlines() == [
+        f"trimtab: cannot listen on {address}: cannot assign address"]
+
+
+def _nobody_can_run_python() -> bool:
+    import os
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+
+@pytest.mark.skipif(not _nobody_can_run_python(), reason="needs root and setpriv to drop to nobody")
+def test_serve_on_a_privileged_port_as_an_unprivileged_user_exits_2(tmp_path: Path) -> None:
+    import tempfile
+
+    nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    probe = subprocess.run([*nobody, sys.executable, "-c", "import xds_server.cli"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=30, check=False)
+    if probe.returncode != 0:
+        pytest.skip(f"nobody cannot run this interpreter: {probe.stderr.strip()[-200:]}")
+    with tempfile.TemporaryDirectory() as shared:  # readable by nobody, unlike tmp_path
+        base = Path(shared)
+        base.chmod(0o777)
+        address = "127.0.0.1:1009"
+        path = _serve_config(base, xds=address)
+        result = subprocess.run(
+            [*nobody, sys.executable, "-m", "xds_server.cli", "serve", "--config", str(path)],
+            capture_output=True, text=True, timeout=30, cwd=ROOT, check=False)
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert result.stderr.splitlines() == [
+        f"trimtab: cannot listen on {address}: permission denied"]
+
+
+def test_bind_error_reasons() -> None:
+    import errno
+    import socket
+
+    from xds_server.listen import CannotListen, cannot_listen, check_bindable, reason_for
+
+    assert reason_for(OSError(errno.EADDRINUSE, "x")) == "address in use"
+    assert reason_for(OSError(errno.EACCES, "x")) == "permission denied"
+    assert reason_for(OSError(errno.EADDRNOTAVAIL, "x")) == "cannot assign address"
+    assert reason_for(OSError(errno.EMFILE, "Too many open files")) == "too many open files"
+    with socket.socket() as occupier:
+        occupier.bind(("127.0.0.1", 0))
+        occupier.listen()
+        address = f"127.0.0.1:{occupier.getsockname()[1]}"
+        with pytest.raises(CannotListen, match="address in use"):
+            check_bindable(address)
+        grpc_style = RuntimeError(f"Failed to bind to address {address}; set GRPC_VERBOSITY")
+        assert str(cannot_listen(address, grpc_style)) == (
+            f"cannot listen on {address}: address in use")
+    free = f"127.0.0.1:{free_port()}"
+    check_bindable(free)  # nothing there: no error
+    check_bindable("127.0.0.1:0")
+    assert str(cannot_listen(free, RuntimeError("Failed to bind to address x; set ..."))) == (
+        f"cannot listen on {free}: Failed to bind to address x")

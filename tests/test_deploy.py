@@ -1,7 +1,8 @@
 """Offline checks of deploy/ (kustomize): it parses, hangs together, and its configs are valid.
 
-No cluster needed. The Envoy bootstrap goes through the real binary's `--mode validate`;
-`kubectl kustomize` is used when kubectl is installed.
+No cluster needed. The Envoy bootstraps go through the real binary's `--mode validate`;
+`kubectl kustomize` is used when kubectl is installed. deploy/ is deploy/base/ (plaintext xDS
+behind a NetworkPolicy, the admin token from a Secret); deploy/overlays/mtls adds mTLS.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ import yaml
 
 from xds_server.config import load_config, parse_config, parse_host_port
 from xds_server.envoy_process import EnvoyError, validate_config
+from xds_server.security import load_token
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
+BASE = DEPLOY / "base"
+MTLS = DEPLOY / "overlays" / "mtls"
 WORKLOADS = {"Deployment", "DaemonSet", "StatefulSet", "ReplicaSet", "Job"}
 TRIMTAB_DNS = "trimtab.trimtab.svc.cluster.local"
 
@@ -34,13 +38,13 @@ def _load_yaml_docs(path: Path) -> list[Any]:
     return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
 
 
-def kustomization() -> dict[str, Any]:
-    return yaml.safe_load((DEPLOY / "kustomization.yaml").read_text())
+def kustomization(root: Path = BASE) -> dict[str, Any]:
+    return yaml.safe_load((root / "kustomization.yaml").read_text())
 
 
 def manifest_files() -> list[Path]:
-    """Files of Kubernetes objects: kustomization resources plus deploy/optional/."""
-    listed = [DEPLOY / name for name in kustomization()["resources"]]
+    """Files of Kubernetes objects: the base's kustomization resources plus deploy/optional/."""
+    listed = [BASE / name for name in kustomization()["resources"]]
     return listed + sorted((DEPLOY / "optional").glob("*.yaml"))
 
 
@@ -48,10 +52,11 @@ def objects() -> list[dict[str, Any]]:
     return [doc for path in manifest_files() for doc in _load_yaml_docs(path)]
 
 
-def _generator_files(generator: dict[str, Any]) -> Iterator[tuple[str, Path]]:
+def _generator_files(generator: dict[str, Any], root: Path = BASE
+                     ) -> Iterator[tuple[str, Path]]:
     for entry in generator.get("files", []):
         key, _, path = entry.rpartition("=")
-        yield key or Path(path).name, DEPLOY / path
+        yield key or Path(path).name, root / path
 
 
 def generated_configmaps() -> dict[str, dict[str, str]]:
@@ -127,27 +132,37 @@ def test_kustomization_resources_exist_and_cover_every_manifest():
     custom = kustomization()
     assert custom["namespace"] == "trimtab"
     for name in custom["resources"]:
-        assert (DEPLOY / name).is_file(), f"kustomization resource {name} is missing"
+        assert (BASE / name).is_file(), f"kustomization resource {name} is missing"
     for generator in custom["configMapGenerator"]:
         for _key, path in _generator_files(generator):
             assert path.is_file(), f"configMapGenerator {generator['name']}: {path} missing"
-    top_level = {p.name for p in DEPLOY.glob("*.yaml")} - {"kustomization.yaml"}
-    assert top_level == set(custom["resources"]), "every deploy/*.yaml must be a resource"
+    top_level = {p.name for p in BASE.glob("*.yaml")} - {"kustomization.yaml"}
+    assert top_level == set(custom["resources"]), "every deploy/base/*.yaml must be a resource"
+    # `kubectl apply -k deploy/` is the base as it is; the overlay builds on the base too
+    assert kustomization(DEPLOY)["resources"] == ["base"]
+    assert {p.name for p in DEPLOY.glob("*.yaml")} == {"kustomization.yaml"}
+    assert "../../base" in kustomization(MTLS)["resources"]
 
 
-@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl not installed")
 def test_kubectl_kustomize_renders_everything_into_the_namespace():
-    result = subprocess.run(["kubectl", "kustomize", str(DEPLOY)], capture_output=True,
-                            text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stderr
-    rendered = [d for d in yaml.safe_load_all(result.stdout) if d]
+    rendered = render(DEPLOY)
     names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
     listed = {(o["kind"], o["metadata"]["name"])
-              for path in manifest_files() if path.parent == DEPLOY for o in _load_yaml_docs(path)}
+              for path in manifest_files() if path.parent == BASE for o in _load_yaml_docs(path)}
     assert names == listed | {("ConfigMap", name) for name in generated_configmaps()}
     for doc in rendered:
         if doc["kind"] != "Namespace":
             assert doc["metadata"]["namespace"] == "trimtab", doc["metadata"]
+
+
+def render(root: Path) -> list[dict[str, Any]]:
+    """`kubectl kustomize root`, parsed; skips the test without kubectl."""
+    if shutil.which("kubectl") is None:
+        pytest.skip("kubectl not installed")
+    result = subprocess.run(["kubectl", "kustomize", str(root)], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
 
 
 def _templates_selected_by(service: dict[str, Any]) -> list[dict[str, Any]]:
@@ -230,7 +245,7 @@ def test_trimtab_config_in_the_configmap_is_valid_and_matches_the_ports():
 
 
 def test_trimtab_config_file_loads_with_trimtabs_loader():
-    config = load_config(DEPLOY / "config" / "trimtab.yaml")  # what `trimtab serve` reads
+    config = load_config(BASE / "config" / "trimtab.yaml")  # what `trimtab serve` reads
     assert config == trimtab_config()  # the ConfigMap carries exactly that file
 
 
@@ -374,7 +389,7 @@ def test_vllm_example_serves_the_pools_model_on_a_gpu():
 
 def test_prometheus_scrapes_trimtab_vllm_and_a_fast_dcgm_exporter():
     text = generated_configmaps()["prometheus-config"]["prometheus.yml"]
-    assert text == (DEPLOY / "prometheus" / "prometheus.yml").read_text()
+    assert text == (BASE / "prometheus" / "prometheus.yml").read_text()
     jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
     assert {"trimtab", "vllm", "dcgm-exporter"} <= jobs.keys()
     (target,) = jobs["trimtab"]["static_configs"][0]["targets"]
@@ -418,7 +433,7 @@ def _base_name(metric: str, known: set[str]) -> str:
 def test_grafana_dashboard_only_uses_metrics_documented_in_readme():
     known = readme_metrics()
     assert "trimtab_endpoint_weight" in known and "trimtab_xds_nacks_total" in known
-    dashboard = json.loads((DEPLOY / "grafana" / "trimtab-dashboard.json").read_text())
+    dashboard = json.loads((BASE / "grafana" / "trimtab-dashboard.json").read_text())
     used: set[str] = set()
     for query in _queries(dashboard):
         metrics = {_base_name(m, known) for m in _METRIC.findall(query)}
@@ -430,3 +445,456 @@ def test_grafana_dashboard_only_uses_metrics_documented_in_readme():
             "trimtab_pool_fail_static"} <= used
     for panel in dashboard["panels"]:
         assert panel["targets"], panel["title"]
+
+
+# -- safe by default: admin token, NetworkPolicy (issue 12 §6) ------------------------------
+
+TOKEN_SECRET = "trimtab-admin-token"
+
+
+def _secret_volumes(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """mountPath -> the `secret` volume source mounted there."""
+    volumes = {v["name"]: v["secret"] for v in workload["spec"]["template"]["spec"]["volumes"]
+               if "secret" in v}
+    return {m["mountPath"]: volumes[m["name"]] for c in containers(workload)
+            for m in c.get("volumeMounts", []) if m["name"] in volumes}
+
+
+def _secret_file(workload: dict[str, Any], path: str) -> tuple[dict[str, Any], str]:
+    """(the secret volume whose mount holds `path`, the Secret key that file is)."""
+    parent, _, name = path.rpartition("/")
+    source = _secret_volumes(workload).get(parent)
+    assert source is not None, f"{path}: no Secret volume is mounted at {parent}"
+    keys = {item["path"]: item["key"] for item in source.get("items", [])} or {name: name}
+    assert name in keys, f"{path}: Secret {source['secretName']} mount has no file {name}"
+    return source, keys[name]
+
+
+def _fails_closed(source: dict[str, Any], workload: dict[str, Any]) -> None:
+    assert source.get("optional") is not True  # a missing Secret keeps the pod from starting
+    mode = source.get("defaultMode", 0o644)
+    assert mode & 0o007 == 0, f"Secret {source['secretName']} files are world-readable"
+    pod = workload["spec"]["template"]["spec"]["securityContext"]
+    assert mode & 0o040 and pod.get("fsGroup") == pod["runAsUser"], \
+        "the non-root container must be able to read its Secret (fsGroup + group-read)"
+
+
+def test_admin_token_comes_from_a_secret_the_deployment_cannot_start_without():
+    auth = trimtab_config().admin.auth
+    assert auth.token_file is not None and auth.token_env is None
+    source, key = _secret_file(find("Deployment", "trimtab"), auth.token_file)
+    assert (source["secretName"], key) == (TOKEN_SECRET, "token")
+    _fails_closed(source, find("Deployment", "trimtab"))
+    # Not shipped: a token in the repository would be everyone's token.
+    assert not [o for o in objects() if o["kind"] == "Secret"]
+    assert "secretGenerator" not in kustomization()
+    # The step that creates it is documented, with a random value.
+    readme = (DEPLOY / "README.md").read_text()
+    assert (f"kubectl -n trimtab create secret generic {TOKEN_SECRET} "
+            f'--from-literal=token="$(openssl rand -hex 32)"') in readme
+
+
+def test_trimtab_itself_refuses_to_start_without_the_token_file():
+    auth = trimtab_config().admin.auth
+    assert auth.token_file is not None and not Path(auth.token_file).exists()
+    with pytest.raises(ValueError, match="admin token file .* cannot be read"):
+        load_token(auth.token_file, auth.token_env)
+
+
+def test_deployed_admin_api_closes_mutations_without_the_token_and_serves_scrapes():
+    import asyncio
+
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from xds_server.admin import AdminApi
+    from xds_server.cache import SnapshotCache
+    from xds_server.controller import Controller
+
+    config = trimtab_config()
+
+    async def scenario() -> dict[str, int]:
+        controller = Controller(config, SnapshotCache())
+        api = AdminApi(controller, lambda: True, token="t0ken",
+                       protect_reads=config.admin.auth.protect_reads)
+        try:
+            async with TestClient(TestServer(api.app())) as client:
+                pause = "/v1/rollouts/llama3-8b/pause"
+                return {
+                    "post": (await client.post(pause)).status,
+                    "post wrong": (await client.post(pause, headers={
+                        "Authorization": "Bearer nope"})).status,
+                    "post token": (await client.post(pause, headers={
+                        "Authorization": "Bearer t0ken"})).status,
+                    "metrics": (await client.get("/metrics")).status,
+                    "healthz": (await client.get("/healthz")).status,
+                }
+        finally:
+            await controller.close()
+
+    statuses = asyncio.run(scenario())
+    assert statuses["post"] == statuses["post wrong"] == 401
+    assert statuses["post token"] == 404  # past the token check: the pool has no rollout
+    assert statuses["metrics"] == statuses["healthz"] == 200  # Prometheus and probes
+
+
+def _policy_peers(peer: dict[str, Any]) -> tuple[str, str]:
+    """('pods', app name) for a same-namespace pod selector, ('namespace', name) for a
+    namespace selector; nothing broader is allowed in this policy."""
+    assert set(peer) <= {"podSelector", "namespaceSelector"} and "ipBlock" not in peer, peer
+    if "namespaceSelector" in peer:
+        assert "podSelector" not in peer, peer
+        labels = peer["namespaceSelector"]["matchLabels"]
+        assert set(labels) == {"kubernetes.io/metadata.name"}, peer  # set by Kubernetes itself
+        return "namespace", labels["kubernetes.io/metadata.name"]
+    labels = peer["podSelector"]["matchLabels"]
+    assert labels, f"an empty podSelector admits every pod: {peer}"
+    return "pods", labels["app.kubernetes.io/name"]
+
+
+def _container_port_number(workload: dict[str, Any], port: int | str) -> int:
+    ports = [p for c in containers(workload) for p in c.get("ports", [])]
+    if isinstance(port, int):
+        return port
+    (number,) = [p["containerPort"] for p in ports if p["name"] == port]
+    return int(number)
+
+
+def test_networkpolicy_admits_xds_only_from_envoy_and_admin_only_from_monitoring():
+    policy = find("NetworkPolicy", "trimtab")
+    trimtab = find("Deployment", "trimtab")
+    spec = policy["spec"]
+    assert spec["podSelector"]["matchLabels"].items() <= \
+        trimtab["spec"]["template"]["metadata"]["labels"].items()
+    selected = [w["metadata"]["name"] for w in workloads()
+                if spec["podSelector"]["matchLabels"].items()
+                <= w["spec"]["template"]["metadata"]["labels"].items()]
+    assert selected == ["trimtab"]
+    assert spec["policyTypes"] == ["Ingress"]
+    admitted: dict[int, set[tuple[str, str]]] = {}
+    for rule in spec["ingress"]:
+        assert rule.get("from") and rule.get("ports"), f"a rule without from/ports admits all: {rule}"
+        for port in rule["ports"]:
+            assert port.get("protocol", "TCP") == "TCP"
+            number = _container_port_number(trimtab, port["port"])
+            admitted.setdefault(number, set()).update(_policy_peers(p) for p in rule["from"])
+    config = trimtab_config()
+    xds, admin = config.xds.host_port.port, config.admin.host_port.port
+    keda = parse_host_port(config.keda.address).port  # type: ignore[arg-type]
+    assert admitted == {xds: {("pods", "envoy")}, admin: {("namespace", "monitoring")},
+                        keda: {("namespace", "keda")}}
+    # the Envoy pod selector picks the Envoy Deployment and nothing else
+    envoys = [w["metadata"]["name"] for w in workloads()
+              if w["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/name")
+              == "envoy"]
+    assert envoys == ["envoy"]
+    # every port the trimtab Service exposes is fenced by the policy
+    for entry in find("Service", "trimtab")["spec"]["ports"]:
+        assert _container_port_number(trimtab, entry["targetPort"]) in admitted, entry
+
+
+# -- the mTLS overlay --------------------------------------------------------------------
+
+CERT_MANAGER = "cert-manager.io/v1"
+
+
+def _by_name(rendered: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    (found,) = [d for d in rendered if d["kind"] == kind and d["metadata"]["name"] == name]
+    return found
+
+
+def _configmap_file(rendered: list[dict[str, Any]], name: str, key: str) -> str:
+    return str(_by_name(rendered, "ConfigMap", name)["data"][key])
+
+
+def test_mtls_overlay_renders_the_base_plus_certificates_and_an_issuer():
+    base = {(d["kind"], d["metadata"]["name"]) for d in render(DEPLOY)}
+    rendered = render(MTLS)
+    names = {(d["kind"], d["metadata"]["name"]) for d in rendered}
+    assert names == base | {("Issuer", "trimtab-selfsigned"), ("Issuer", "trimtab-ca"),
+                            ("Certificate", "trimtab-ca"), ("Certificate", "trimtab-xds"),
+                            ("Certificate", "envoy-xds-client")}
+    for doc in rendered:
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == "trimtab", doc["metadata"]
+    for doc in rendered:
+        if doc["kind"] == "Certificate":
+            assert doc["apiVersion"] == CERT_MANAGER
+            ref = doc["spec"]["issuerRef"]
+            assert ref["group"] == "cert-manager.io" and ref["kind"] == "Issuer"
+            _by_name(rendered, "Issuer", ref["name"])  # the issuer it names is there
+    ca_issuer = _by_name(rendered, "Issuer", "trimtab-ca")
+    ca_cert = _by_name(rendered, "Certificate", "trimtab-ca")
+    assert ca_cert["spec"]["isCA"] and ca_issuer["spec"]["ca"]["secretName"] == \
+        ca_cert["spec"]["secretName"]
+    for leaf in ("trimtab-xds", "envoy-xds-client"):
+        assert _by_name(rendered, "Certificate", leaf)["spec"]["issuerRef"]["name"] == "trimtab-ca"
+    # the base's safety carries over unchanged
+    assert _by_name(rendered, "NetworkPolicy", "trimtab") == _by_name(
+        render(DEPLOY), "NetworkPolicy", "trimtab")
+
+
+def _mtls_trimtab_config(rendered: list[dict[str, Any]]):
+    return parse_config(yaml.safe_load(_configmap_file(rendered, "trimtab-config",
+                                                       "config.yaml")))
+
+
+def test_mtls_overlay_trimtab_config_requires_client_certificates_that_bind_the_cluster():
+    rendered = render(MTLS)
+    config = _mtls_trimtab_config(rendered)
+    tls, nodes = config.xds.tls, config.nodes
+    assert tls is not None and tls.require_client_cert and tls.reload
+    assert nodes is not None and nodes.require_san_match and nodes.require_cluster_binding
+    assert "*" not in nodes.clusters  # a node of any other cluster is refused
+    # the files are the Secret cert-manager writes for the trimtab-xds Certificate
+    deployment = _by_name(rendered, "Deployment", "trimtab")
+    secret = _by_name(rendered, "Certificate", "trimtab-xds")["spec"]["secretName"]
+    for path, key in ((tls.cert_file, "tls.crt"), (tls.key_file, "tls.key"),
+                      (tls.client_ca_file, "ca.crt")):
+        source, found = _secret_file(deployment, str(path))
+        assert (source["secretName"], found) == (secret, key)
+        _fails_closed(source, deployment)
+    # everything else is the base config, so the two cannot drift apart
+    same = {"xds": config.xds.model_copy(update={"tls": None}), "nodes": None}
+    assert config.model_copy(update=same) == trimtab_config()
+    # the overlay's file loads with trimtab's own loader too
+    assert load_config(MTLS / "config" / "trimtab.yaml") == config
+
+
+def _mtls_bootstrap(rendered: list[dict[str, Any]]) -> dict[str, Any]:
+    return yaml.safe_load(_configmap_file(rendered, "envoy-bootstrap", "envoy.yaml"))
+
+
+def _tls_context(bootstrap: dict[str, Any]) -> dict[str, Any]:
+    (cluster,) = bootstrap["static_resources"]["clusters"]
+    socket = cluster["transport_socket"]
+    assert socket["name"] == "envoy.transport_sockets.tls"
+    context = socket["typed_config"]
+    assert context["@type"].endswith("tls.v3.UpstreamTlsContext")
+    return context
+
+
+def test_mtls_overlay_envoy_bootstrap_dials_trimtab_over_mtls_and_checks_its_name():
+    rendered = render(MTLS)
+    bootstrap = _mtls_bootstrap(rendered)
+    context = _tls_context(bootstrap)
+    server_names = set(_by_name(rendered, "Certificate", "trimtab-xds")["spec"]["dnsNames"])
+    (cluster,) = bootstrap["static_resources"]["clusters"]
+    dialled = cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"][
+        "address"]["socket_address"]["address"]
+    assert context["sni"] == dialled == TRIMTAB_DNS and dialled in server_names
+    common = context["common_tls_context"]
+    assert common["alpn_protocols"] == ["h2"]
+    (matcher,) = common["validation_context"]["match_typed_subject_alt_names"]
+    assert matcher["san_type"] == "DNS" and matcher["matcher"]["exact"] in server_names
+    deployment = _by_name(rendered, "Deployment", "envoy")
+    secret = _by_name(rendered, "Certificate", "envoy-xds-client")["spec"]["secretName"]
+    # the client certificate comes by file-based SDS from a file of the bootstrap ConfigMap,
+    # watching the Secret volume's directory (renewals apply without a restart)
+    assert "tls_certificates" not in common
+    (sds,) = common["tls_certificate_sds_secret_configs"]
+    source = sds["sds_config"]["path_config_source"]
+    mount, _, key = source["path"].rpartition("/")
+    assert _configmap_mounts(deployment)[mount] == "envoy-bootstrap"
+    resources = yaml.safe_load(_configmap_file(rendered, "envoy-bootstrap", key))["resources"]
+    (resource,) = resources
+    assert resource["@type"].endswith("tls.v3.Secret") and resource["name"] == sds["name"]
+    pair = resource["tls_certificate"]
+    watched = {source["watched_directory"]["path"], pair["watched_directory"]["path"]}
+    for path, key in ((pair["certificate_chain"]["filename"], "tls.crt"),
+                      (pair["private_key"]["filename"], "tls.key"),
+                      (common["validation_context"]["trusted_ca"]["filename"], "ca.crt")):
+        volume, found = _secret_file(deployment, path)
+        assert (volume["secretName"], found) == (secret, key)
+        _fails_closed(volume, deployment)
+        assert watched == {path.rpartition("/")[0]}  # the Secret's mount directory
+    # only the transport socket differs from the base bootstrap
+    plain = copy.deepcopy(bootstrap)
+    del plain["static_resources"]["clusters"][0]["transport_socket"]
+    assert plain == envoy_bootstrap()
+
+
+def test_mtls_overlay_envoy_certificate_proves_exactly_its_node_cluster():
+    """The §3 SAN rule applied to the overlay: the Envoy Deployment's shared certificate
+    proves node cluster trimtab-envoy, whatever pod name is the node id, and nothing else."""
+    from envoy.config.core.v3.base_pb2 import Node
+
+    from xds_server.security import NodeAuthorizer, san_binding
+
+    rendered = render(MTLS)
+    config = _mtls_trimtab_config(rendered)
+    spec = _by_name(rendered, "Certificate", "envoy-xds-client")["spec"]
+    sans = list(spec.get("uris", [])) + list(spec.get("dnsNames", []))
+    assert sans and set(spec["usages"]) >= {"client auth"}
+    cluster = _mtls_bootstrap(rendered)["node"]["cluster"]
+    assert cluster in config.nodes.clusters  # type: ignore[union-attr]
+    auth = NodeAuthorizer.from_config(config.nodes)
+    for pod in ("envoy-7d9f8-abcde", "envoy-7d9f8-xyz12"):
+        decision = auth.authorize(Node(id=pod, cluster=cluster), sans)
+        assert decision.allowed and decision.pools is None, decision
+        assert {san_binding(s, pod, cluster, config.nodes.trust_domain) for s in sans} == {
+            "cluster"}
+    for other in ("trimtab-envoy.eu", "trimtab", "edge-a"):
+        assert not auth.authorize(Node(id="envoy-1", cluster=other), sans).allowed, other
+    assert "server auth" in _by_name(rendered, "Certificate", "trimtab-xds")["spec"]["usages"]
+
+
+class SecretVolume:
+    """A directory laid out as the kubelet writes a Secret volume: each file is a symlink
+    into ``..data``, a symlink to a timestamped directory that an update swaps atomically."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.updates = 0
+        path.mkdir(parents=True)
+
+    def install(self, files: dict[str, bytes]) -> None:
+        import os
+
+        self.updates += 1
+        version = self.path / f"..2026_01_01_00_00_{self.updates:02d}"
+        version.mkdir()
+        for name, data in files.items():
+            (version / name).write_bytes(data)
+        os.symlink(version.name, self.path / "..data_tmp")
+        os.replace(self.path / "..data_tmp", self.path / "..data")
+        for name in files:
+            if not (self.path / name).is_symlink():
+                os.symlink(f"..data/{name}", self.path / name)
+
+
+def _envoy_tls_files(ca: Any, leaf: Any) -> dict[str, bytes]:
+    return {"tls.crt": leaf.cert_pem, "tls.key": leaf.key_pem, "ca.crt": ca.path.read_bytes()}
+
+
+def _mount_overlay_envoy(rendered: list[dict[str, Any]], root: Path, tls: dict[str, bytes]
+                         ) -> tuple[dict[str, Any], SecretVolume]:
+    """The overlay's Envoy files as the pod sees them, under `root`: the envoy-bootstrap
+    ConfigMap at <root>/etc/envoy, the Secret volume (holding `tls`) at <root>/etc/envoy-tls.
+    Returns the bootstrap with only those two path prefixes rewritten, and the volume."""
+    def moved(text: str) -> str:
+        return text.replace("/etc/envoy-tls", f"{root}/etc/envoy-tls").replace(
+            "/etc/envoy/", f"{root}/etc/envoy/")
+
+    config = root / "etc" / "envoy"
+    config.mkdir(parents=True)
+    for key, text in _by_name(rendered, "ConfigMap", "envoy-bootstrap")["data"].items():
+        (config / key).write_text(moved(text))
+    volume = SecretVolume(root / "etc" / "envoy-tls")
+    volume.install(tls)
+    return yaml.safe_load((config / "envoy.yaml").read_text()), volume
+
+
+def _test_pki(tmp_path: Path) -> tuple[Any, Any]:
+    from tests.support.certs import TestCA
+
+    ca = TestCA.create(tmp_path / "pki")
+    return ca, ca.issue("envoy", uris=["spiffe://trimtab/cluster/trimtab-envoy"])
+
+
+def test_mtls_overlay_envoy_bootstrap_passes_envoy_validate(tmp_path: Path):
+    rendered = render(MTLS)
+    ca, leaf = _test_pki(tmp_path)
+    bootstrap, _ = _mount_overlay_envoy(rendered, tmp_path / "pod", _envoy_tls_files(ca, leaf))
+    result = _envoy_validate(bootstrap)
+    assert result.returncode == 0, result.stdout + result.stderr
+    broken = copy.deepcopy(bootstrap)  # the check can fail: a typo in the TLS context
+    _tls_context(broken)["common_tls_context"]["validation_context"][
+        "match_typed_subject_alt_names"][0]["san_type"] = "DNZ"
+    assert _envoy_validate(broken).returncode != 0
+    as_rendered = _envoy_validate(_mtls_bootstrap(rendered))  # without the pod's files
+    assert as_rendered.returncode != 0 and "/etc/envoy" in as_rendered.stdout + \
+        as_rendered.stderr
+
+
+@pytest.mark.slow
+def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp_path: Path):
+    """A real Envoy on the overlay's bootstrap (only file paths, ports and the resolved
+    address swapped) against trimtab's guarded xDS server with the overlay's tls and nodes
+    settings, both certificates carrying the SANs of the overlay's Certificate resources; a
+    renewal of the Secret reaches Envoy without a restart; the same certificate claiming
+    another cluster is refused."""
+    import asyncio
+
+    from tests.support.certs import TestCA
+    from tests.test_security import CONFIG, published, with_free_listener
+    from xds_server.envoy_process import EnvoyProcess, free_port
+    from xds_server.security import NodeAuthorizer, XdsGuard, server_credentials
+    from xds_server.transport import XdsServicer, start_xds_server
+
+    rendered = render(MTLS)
+    config = _mtls_trimtab_config(rendered)
+    server_spec = _by_name(rendered, "Certificate", "trimtab-xds")["spec"]
+    client_spec = _by_name(rendered, "Certificate", "envoy-xds-client")["spec"]
+    ca = TestCA.create(tmp_path / "pki")
+    server = ca.issue("trimtab", dns=server_spec["dnsNames"])
+    client = ca.issue("envoy", uris=client_spec["uris"])
+    renewed = ca.issue("envoy-renewed", uris=client_spec["uris"])
+    pods = iter(range(10))
+    _, cache = published(with_free_listener(CONFIG))
+    guard = XdsGuard(NodeAuthorizer.from_config(config.nodes))
+    assert config.xds.tls is not None
+
+    def bootstrap(port: int, cluster: str) -> tuple[dict[str, Any], SecretVolume]:
+        out, volume = _mount_overlay_envoy(rendered, tmp_path / f"pod-{next(pods)}",
+                                           _envoy_tls_files(ca, client))
+        (xds,) = out["static_resources"]["clusters"]
+        xds["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"][
+            "socket_address"] = {"address": "127.0.0.1", "port_value": port}
+        out["node"] = {"id": "envoy-7d9f8-abcde", "cluster": cluster}
+        out["admin"]["address"]["socket_address"] = {"address": "127.0.0.1",
+                                                     "port_value": free_port()}
+        return out, volume
+
+    def clusters(envoy: EnvoyProcess) -> list[str]:
+        names = [s["name"] for s in envoy.clusters_json().get("cluster_statuses", [])]
+        return sorted(n for n in names if n != "xds_cluster")
+
+    def serials(envoy: EnvoyProcess) -> set[str]:
+        certs = json.loads(envoy.admin_get("/certs"))["certificates"]
+        return {c["serial_number"] for cert in certs for c in cert.get("cert_chain", [])}
+
+    def serial(files: Any) -> str:
+        from cryptography import x509
+
+        return format(x509.load_pem_x509_certificate(files.cert_pem).serial_number, "x")
+
+    async def scenario() -> tuple[list[str], int, int, set[str], set[str]]:
+        credentials = server_credentials(str(server.cert), str(server.key), str(ca.path),
+                                         config.xds.tls.require_client_cert)  # type: ignore[union-attr]
+        grpc_server, port = await start_xds_server(XdsServicer(cache, guard=guard),
+                                                   "127.0.0.1:0", credentials=credentials)
+        own, other = EnvoyProcess(), EnvoyProcess()
+        try:
+            cluster = _mtls_bootstrap(rendered)["node"]["cluster"]
+            own_boot, own_volume = bootstrap(port, cluster)
+            await asyncio.to_thread(own.start, own_boot)
+            await asyncio.to_thread(own.wait_ready, 20)
+            served = clusters(own)
+            handshakes = own.stat("cluster.xds_cluster.ssl.handshake") or 0
+            before = serials(own)
+            own_volume.install(_envoy_tls_files(ca, renewed))  # cert-manager renews
+            for _ in range(200):
+                if serial(renewed) in serials(own):
+                    break
+                await asyncio.sleep(0.05)
+            after = serials(own)
+            await asyncio.to_thread(other.start, bootstrap(port, cluster + ".eu")[0])
+            await asyncio.to_thread(other.wait_admin, 20)
+            for _ in range(200):
+                if guard.denied["permission"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert clusters(other) == []
+            return served, handshakes, guard.denied["permission"], before, after
+        finally:
+            await asyncio.to_thread(own.stop)
+            await asyncio.to_thread(other.stop)
+            await grpc_server.stop(None)
+
+    served, handshakes, denied, before, after = asyncio.run(scenario())
+    # the renewed client certificate replaced the old one without a restart (file SDS)
+    assert serial(client) in before and serial(renewed) not in before
+    assert serial(renewed) in after and serial(client) not in after
+    expected = {name for pool in CONFIG.pools for name, _, _ in pool.clusters()}
+    assert handshakes > 0 and expected <= set(served), served
+    assert denied >= 1  # the same certificate claiming cluster trimtab-envoy.eu

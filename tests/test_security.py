@@ -44,6 +44,7 @@ from xds_server.security import (
     TlsConfigError,
     XdsGuard,
     bearer_middleware,
+    dns_claim,
     filter_snapshot,
     load_token,
     node_pool_problems,
@@ -269,7 +270,22 @@ def test_reloading_credentials_pick_up_a_rotated_certificate_and_ca(
     ("spiffe://trimtab/ns/default/sa/envoy-1", "envoy-2", "edge-a", None),
     ("spiffe://trimtab/cluster/edge%2Da/node/envoy-1", "envoy-1", "edge-a", "both"),
     ("envoy-1.edge-a", "envoy-1", "edge-a", "both"),
-    ("ENVOY-1.edge-a.svc.cluster.local.", "envoy-1", "edge-a", "both"),
+    ("ENVOY-1.Edge-A.", "envoy-1", "edge-a", "both"),
+    # every label after the first is the cluster: a suffix is not ignored (see dns_suffix)
+    ("envoy-1.edge-a.svc.cluster.local", "envoy-1", "edge-a", None),
+    ("envoy-1.edge-a.svc.cluster.local", "envoy-1", "edge-a.svc.cluster.local", "both"),
+    # dotted cluster names, both ways: the SAN names exactly one (node, cluster)
+    ("n1.prod.eu", "n1", "prod.eu", "both"),
+    ("n1.prod.eu", "n1", "prod", None),
+    ("n1.prod", "n1", "prod.eu", None),
+    ("n1.prod.eu", "n1.prod", "eu", None),   # a dotted node id is never a DNS SAN's
+    ("n1.prod", "n1.prod", "edge-a", None),
+    ("n1..eu", "n1", ".eu", None),
+    ("spiffe://trimtab/cluster/prod.eu/node/n1", "n1", "prod.eu", "both"),
+    ("spiffe://trimtab/cluster/prod.eu/node/n1", "n1", "prod", None),
+    ("spiffe://trimtab/cluster/prod/node/n1.eu", "n1.eu", "prod", "both"),  # URI: dotted ids
+    ("spiffe://trimtab/cluster/prod/cluster/eu/node/n1", "n1", "prod", None),
+    ("spiffe://trimtab/cluster/prod/node/n1/node/n2", "n1", "prod", None),
     ("envoy-1", "envoy-1", "edge-a", "node"),
     ("envoy-1.edge-b", "envoy-1", "edge-a", None),
     ("envoy-10", "envoy-1", "edge-a", None),
@@ -278,6 +294,51 @@ def test_reloading_credentials_pick_up_a_rotated_certificate_and_ca(
 ])
 def test_san_binding(identity: str, node_id: str, cluster: str, expected: str | None) -> None:
     assert san_binding(identity, node_id, cluster) == expected
+
+
+# Claims a hostile node might try with one certificate: dotted and undotted splits of it.
+CLAIMS = [(n, c) for n in ("n1", "n1.prod", "n1.prod.eu", "prod", "")
+          for c in ("", "eu", "prod", "prod.eu", "prod.eu.x", "n1.prod.eu")]
+
+
+@pytest.mark.parametrize("san", ["n1.prod.eu", "n1.prod.eu.", "N1.Prod.EU", "n1.prod",
+                                 "n1", "n1.prod.eu.x"])
+def test_a_dns_san_proves_at_most_one_node_and_cluster(san: str) -> None:
+    both = [claim for claim in CLAIMS if san_binding(san, *claim) == "both"]
+    node_only = [claim for claim in CLAIMS if san_binding(san, *claim) == "node"]
+    assert len(both) <= 1 and {n for n, _ in node_only} <= {"n1"}
+    parsed = dns_claim(san)
+    assert parsed is not None and parsed[0] == "n1"
+    if parsed[1] is not None:
+        assert both == [("n1", parsed[1])] and not node_only
+    else:
+        assert not both and node_only
+
+
+def test_dns_suffix_is_removed_before_the_split() -> None:
+    suffix = "svc.cluster.local"
+    san = "envoy-1.edge-a.svc.cluster.local."
+    assert dns_claim(san, suffix) == ("envoy-1", "edge-a")
+    assert san_binding(san, "envoy-1", "edge-a", dns_suffix=suffix) == "both"
+    assert san_binding("n1.prod.eu.svc.cluster.local", "n1", "prod", dns_suffix=suffix) is None
+    assert san_binding("n1.prod.eu.svc.cluster.local", "n1", "prod.eu",
+                       dns_suffix=suffix) == "both"
+    assert san_binding("envoy-1.svc.cluster.local", "envoy-1", "x", dns_suffix=suffix) == "node"
+    assert san_binding("envoy-1.edge-a", "envoy-1", "edge-a", dns_suffix=suffix) is None
+    assert dns_claim("svc.cluster.local", suffix) is None
+
+
+def test_a_certificate_for_a_dotted_cluster_cannot_claim_its_prefix() -> None:
+    """Issue 12 §3: a certificate for node n1 of cluster prod.eu claimed cluster prod."""
+    auth = NodeAuthorizer.from_mapping({"prod": ["llama3-8b"], "prod.eu": ["qwen-72b"]},
+                                       require_san_match=True, require_cluster_binding=True)
+    assert not auth.authorize(node("n1", "prod"), ["n1.prod.eu"]).allowed
+    assert not auth.authorize(node("n1.prod", "eu"), ["n1.prod.eu"]).allowed
+    own = auth.authorize(node("n1", "prod.eu"), ["n1.prod.eu"])
+    assert own.allowed and own.pools == {"qwen-72b"}
+    loose = NodeAuthorizer.from_mapping({"prod": ["llama3-8b"], "prod.eu": ["qwen-72b"]},
+                                        require_san_match=True)
+    assert not loose.authorize(node("n1", "prod"), ["n1.prod.eu"]).allowed
 
 
 def test_san_binding_with_a_trust_domain() -> None:
@@ -326,9 +387,12 @@ def test_authorize_with_san_match() -> None:
 
 def test_authorizer_from_config_section() -> None:
     section = SimpleNamespace(clusters={"edge-a": ["llama3-8b"]}, require_san_match=True,
-                              require_cluster_binding=True, trust_domain="trimtab")
+                              require_cluster_binding=True, trust_domain="trimtab",
+                              dns_suffix="svc")
     auth = NodeAuthorizer.from_config(section)
     assert auth.trust_domain == "trimtab" and auth.require_cluster_binding
+    assert auth.authorize(node("envoy-1", "edge-a"), ["envoy-1.edge-a.svc"]).allowed
+    assert not auth.authorize(node("envoy-1", "edge-a"), ["envoy-1.edge-a"]).allowed
     assert auth.authorize(node("envoy-1", "edge-a"), [EDGE_A_URI]).allowed
     assert not auth.authorize(node("envoy-1", "edge-a"), ["spiffe://x/cluster/edge-a"]).allowed
 
@@ -446,6 +510,9 @@ def test_node_pool_problems() -> None:
                                   "(fallback or size class); assign 'mistral-spill' too"),
     ]
     assert node_pool_problems(NODES, CONFIG) == []
+    assert node_pool_problems({"prod": ["*"], "PROD": ["*"]}, CONFIG) == [
+        ("nodes.clusters.PROD", "differs from node cluster 'prod' only in case: one DNS SAN "
+                                "would prove both")]
 
 
 def test_views_are_shared_per_version_and_pool_set() -> None:
@@ -574,6 +641,32 @@ def test_guarded_stream_gets_only_its_pools_and_impostors_are_denied(pki: Pki) -
             await server.stop(None)
     asyncio.run(body())
     assert guard.denied["permission"] == 2
+
+
+def test_dotted_cluster_certificate_over_mtls_gets_only_its_own_clusters_pools(pki: Pki
+                                                                             ) -> None:
+    """Issue 12 §3 over a real mTLS handshake: DNS SAN n1.prod.eu (node n1, cluster prod.eu)
+    claiming cluster prod was given prod's pools."""
+    controller, cache = published()
+    cert = pki.ca.issue("n1-prod-eu", dns=["n1.prod.eu"])
+    views = SnapshotViews(lambda: (controller.config, controller.canary_percent))
+    auth = NodeAuthorizer.from_mapping({"prod": ["llama3-8b"], "prod.eu": ["qwen-72b"]},
+                                       require_san_match=True, require_cluster_binding=True)
+    guard = XdsGuard(auth, None, views)
+
+    async def body() -> None:
+        server, port = await _guarded_server(pki, guard, cache)
+        try:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await _first_cds(port, channel_creds(pki, cert), node("n1", "prod"))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            own = await _first_cds(port, channel_creds(pki, cert), node("n1", "prod.eu"))
+            assert sorted(Cluster.FromString(a.value).name for a in own.resources) == [
+                "qwen-72b"]
+        finally:
+            await server.stop(None)
+    asyncio.run(body())
+    assert guard.denied["permission"] == 1
 
 
 async def _final_status(call: Any) -> grpc.StatusCode:
@@ -865,6 +958,15 @@ def test_load_token(tmp_path: Path) -> None:
         load_token(str(tmp_path / "missing"))
     with pytest.raises(ValueError, match="TOKEN is unset"):
         load_token(None, "TOKEN", {})
+
+
+def test_load_token_refuses_a_token_no_client_could_send(tmp_path: Path) -> None:
+    path = tmp_path / "token"
+    path.write_text("s3cr\u00e9t\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="printable ASCII only"):
+        load_token(str(path))
+    with pytest.raises(ValueError, match="TOKEN holds characters"):
+        load_token(None, "TOKEN", {"TOKEN": "a\x07b"})
 
 
 # -- a real Envoy over mTLS ------------------------------------------------------------------

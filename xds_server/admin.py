@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from weight_calculator.types import EndpointWeight
@@ -202,8 +203,27 @@ class AdminApi:
         return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
 
 
+class _ClientErrorsInOneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header byte, a duplicate Host) at ERROR
+    with a traceback, per request: the client's fault, so one INFO line without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "bad HTTP request from %s: %s", (
+                record.args[0] if isinstance(record.args, tuple) and record.args else "?",
+                " ".join(str(exc.message).split())[:200])
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+HTTP_LOG = logging.getLogger("trimtab.admin.http")
+HTTP_LOG.addFilter(_ClientErrorsInOneLine())
+
+
 async def start_admin(api: AdminApi, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(api.app(), access_log=None)
+    runner = web.AppRunner(api.app(), access_log=None, logger=HTTP_LOG)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -18,6 +18,7 @@ from .discovery import Discovery
 from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
 from .history import WeightHistory
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
+from .listen import listening
 from .nack_log import NackLog
 from .security import (
     NodeAuthorizer,
@@ -84,21 +85,23 @@ class Trimtab:
                                  xds.limits.max_request_bytes,
                                  xds.limits.max_connection_age_seconds,
                                  xds.limits.max_connection_age_grace_seconds)
-        self._grpc, self.xds_port = await start_xds_server(
+        self._grpc, self.xds_port = await listening(xds.address, lambda: start_xds_server(
             self.servicer, xds.address, configure=extras, credentials=credentials,
-            options=options, maximum_concurrent_rpcs=xds.limits.max_streams)
+            options=options, maximum_concurrent_rpcs=xds.limits.max_streams))
         assert self._health is not None
         await set_serving(self._health, list(XDS_SERVICE_NAMES), False)
         if self.config.keda.address is not None:
             scaler = ExternalScalerServicer(self.controller.autoscaler.source)
-            self._scaler, self.scaler_port = await start_scaler_server(scaler,
-                                                                       self.config.keda.address)
+            keda = self.config.keda.address
+            self._scaler, self.scaler_port = await listening(
+                keda, lambda: start_scaler_server(scaler, keda))
         admin = self.config.admin.host_port
         auth = self.config.admin.auth
         api = AdminApi(self.controller, self.ready, self.servicer, self.nacks, self.history,
                        token=load_token(auth.token_file, auth.token_env),
                        protect_reads=auth.protect_reads)
-        self._admin = await start_admin(api, admin.host, admin.port)
+        self._admin = await listening(self.config.admin.address,
+                                      lambda: start_admin(api, admin.host, admin.port))
         self.discovery.start(self.config)
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
                  self.config.admin.address, len(self.config.pools))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from . import __version__
 from .config import ConfigError, HostPort, load_config
+from .listen import CannotListen
 from .rollout import RolloutStateError
 
 if TYPE_CHECKING:
@@ -107,6 +108,10 @@ async def _serve(args: argparse.Namespace) -> int:
     loop.add_signal_handler(signal.SIGHUP, lambda: asyncio.ensure_future(app.reload()))
     try:
         await app.start()
+    except CannotListen as exc:  # the operator's: a port in use, privileged, not this host's
+        await app.close()
+        print(f"trimtab: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     except OSError as exc:  # the environment: a port in use, an unreadable certificate
         await app.close()
         print(f"trimtab: cannot start: {exc}", file=sys.stderr)

@@ -464,11 +464,15 @@ class NodesConfig(_Model):
     require_san_match: bool = False  # mTLS: a client certificate SAN must name the node
     require_cluster_binding: bool = False  # ... and must name its cluster, not only its id
     trust_domain: str | None = None  # only spiffe://<trust_domain>/... URI SANs count
+    dns_suffix: str | None = None  # DNS SANs must end in .<dns_suffix>, removed before parsing
 
     @model_validator(mode="after")
     def _san_options(self) -> NodesConfig:
         if (self.require_cluster_binding or self.trust_domain) and not self.require_san_match:
             raise ValueError("require_cluster_binding and trust_domain need require_san_match")
+        if self.dns_suffix is not None and (not all(self.dns_suffix.strip(".").split("."))
+                                            or "*" in self.dns_suffix):
+            raise ValueError(f"dns_suffix {self.dns_suffix!r} is not a DNS name")
         return self
 
 

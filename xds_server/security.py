@@ -213,6 +213,9 @@ def _uri_binding(uri: str, node_id: str, node_cluster: str,
     if trust_domain is not None and (parts.scheme != "spiffe" or parts.netloc != trust_domain):
         return None
     segments = [unquote(s) for s in parts.path.split("/") if s]
+    keys = segments[:-1]
+    if keys.count("cluster") > 1 or keys.count("node") > 1:
+        return None  # names a cluster or a node twice: which one would be ambiguous
     cluster, node = _path_claims(segments)
     if (cluster is not None and cluster != node_cluster) or (node is not None and node != node_id):
         return None  # the certificate names another cluster or another node
@@ -222,14 +225,37 @@ def _uri_binding(uri: str, node_id: str, node_cluster: str,
     return _binding(node_ok and bool(node_id), cluster_ok and bool(node_cluster))
 
 
-def _dns_binding(name: str, node_id: str, node_cluster: str) -> Binding | None:
-    name, node_id, node_cluster = name.lower().rstrip("."), node_id.lower(), node_cluster.lower()
-    if not node_id:
+def dns_claim(name: str, dns_suffix: str | None = None) -> tuple[str, str | None] | None:
+    """The (node id, node cluster or None) a DNS SAN (or CN) names, or None if it names no
+    node. One SAN maps to exactly one pair, whatever the node claims:
+
+    lower-cased, one trailing dot dropped; with `dns_suffix`, the name must end in
+    ``.<dns_suffix>``, which is removed (without it nothing is removed); what is left must be
+    dot-separated non-empty labels without ``*``; its *first label* is the node id and
+    *all the remaining labels* are the node cluster (``n1.prod.eu``: node ``n1``, cluster
+    ``prod.eu``). A single label names the node id only. A node id with a dot therefore
+    cannot be named by a DNS SAN (use a URI SAN)."""
+    name = name.lower()
+    name = name[:-1] if name.endswith(".") else name
+    if dns_suffix:
+        suffix = "." + dns_suffix.lower().strip(".")
+        if not name.endswith(suffix):
+            return None
+        name = name[: -len(suffix)]
+    labels = name.split(".")
+    if not all(labels) or "*" in name:
         return None
-    qualified = f"{node_id}.{node_cluster}"
-    if node_cluster and (name == qualified or name.startswith(qualified + ".")):
-        return "both"
-    return "node" if name == node_id else None
+    return labels[0], ".".join(labels[1:]) or None
+
+
+def _dns_binding(name: str, node_id: str, node_cluster: str,
+                 dns_suffix: str | None = None) -> Binding | None:
+    claim = dns_claim(name, dns_suffix)
+    if claim is None or not node_id or claim[0] != node_id.lower():
+        return None
+    if claim[1] is None:
+        return "node"
+    return "both" if node_cluster and claim[1] == node_cluster.lower() else None
 
 
 def _binding(node_ok: bool, cluster_ok: bool) -> Binding | None:
@@ -239,7 +265,8 @@ def _binding(node_ok: bool, cluster_ok: bool) -> Binding | None:
 
 
 def san_binding(identity: str, node_id: str, node_cluster: str,
-                trust_domain: str | None = None) -> Binding | None:
+                trust_domain: str | None = None,
+                dns_suffix: str | None = None) -> Binding | None:
     """What a certificate identity proves about a node: ``"both"`` (id and cluster),
     ``"node"`` (the id only), ``"cluster"`` (the cluster only) or None (no match).
 
@@ -249,12 +276,16 @@ def san_binding(identity: str, node_id: str, node_cluster: str,
       * ``/cluster/<c>/node/<id>`` proves both; ``/cluster/<c>`` alone the cluster;
         ``/node/<id>`` the id; without either keyword, a last segment equal to the node id
         proves the id (``spiffe://td/ns/default/sa/envoy-1``);
+      * a URI with two ``cluster`` or two ``node`` keyword segments names nothing;
       * with `trust_domain`, only ``spiffe://<trust_domain>/...`` URIs count.
-    DNS SAN (or a CN), case-insensitive, trailing dot ignored: ``<id>.<cluster>`` or
-    ``<id>.<cluster>.<anything>`` proves both; exactly ``<id>`` proves the id. No wildcards."""
+    DNS SAN (or a CN), case-insensitive, trailing dot ignored, parsed by `dns_claim`
+    (first label: the id; every other label: the cluster; `dns_suffix` removed first):
+    ``<id>.<cluster>`` proves both when *both* are exactly the node's; ``<id>`` alone proves
+    the id. ``n1.prod.eu`` is node ``n1`` of cluster ``prod.eu``: never of cluster ``prod``,
+    nor node ``n1.prod`` of cluster ``eu``. No wildcards."""
     if "://" in identity:
         return _uri_binding(identity, node_id, node_cluster, trust_domain)
-    return _dns_binding(identity, node_id, node_cluster)
+    return _dns_binding(identity, node_id, node_cluster, dns_suffix)
 
 
 # -- node authorisation ----------------------------------------------------------------------
@@ -279,6 +310,8 @@ class NodesSettings(Protocol):
     def require_cluster_binding(self) -> bool: ...
     @property
     def trust_domain(self) -> str | None: ...
+    @property
+    def dns_suffix(self) -> str | None: ...
 
 
 @dataclass(frozen=True)
@@ -290,6 +323,7 @@ class NodeAuthorizer:
     require_san_match: bool = False
     require_cluster_binding: bool = False  # a SAN must prove the cluster, not only the id
     trust_domain: str | None = None
+    dns_suffix: str | None = None  # removed from DNS SANs before `dns_claim` parses them
 
     @classmethod
     def from_mapping(cls, clusters: Mapping[str, Sequence[str]], **policy: Any) -> NodeAuthorizer:
@@ -304,7 +338,8 @@ class NodeAuthorizer:
             return cls()
         return cls.from_mapping(nodes.clusters, require_san_match=nodes.require_san_match,
                                 require_cluster_binding=nodes.require_cluster_binding,
-                                trust_domain=nodes.trust_domain)
+                                trust_domain=nodes.trust_domain,
+                                dns_suffix=getattr(nodes, "dns_suffix", None))
 
     def pools_for(self, node_cluster: str) -> tuple[bool, frozenset[str] | None]:
         if node_cluster in self.clusters:
@@ -328,7 +363,8 @@ class NodeAuthorizer:
         wanted = ("both", "cluster") if self.require_cluster_binding else ("both", "cluster",
                                                                           "node")
         for identity in identities:
-            if san_binding(identity, node.id, node.cluster, self.trust_domain) in wanted:
+            if san_binding(identity, node.id, node.cluster, self.trust_domain,
+                           self.dns_suffix) in wanted:
                 return Decision(True, pools, f"certificate {identity!r} matches node "
                                              f"{node.id!r} of cluster {node.cluster!r}", identity)
         what = "node cluster" if self.require_cluster_binding else "node id nor node cluster"
@@ -343,6 +379,13 @@ def node_pool_problems(clusters: Mapping[str, Sequence[str]], config: Config
     clusters it is not given)."""
     names = {pool.name for pool in config.pools}
     problems = []
+    folded: dict[str, str] = {}
+    for cluster in clusters:  # a DNS SAN names a cluster case-insensitively
+        other = folded.setdefault(cluster.lower(), cluster)
+        if other != cluster:
+            problems.append((f"nodes.clusters.{cluster}",
+                             f"differs from node cluster {other!r} only in case: one DNS SAN "
+                             f"would prove both"))
     for cluster, pools in clusters.items():
         path = f"nodes.clusters.{cluster}"
         for index, name in enumerate(pools):
@@ -657,13 +700,21 @@ def load_token(token_file: str | None = None, token_env: str | None = None,
         token = text.strip().splitlines()[0].strip() if text.strip() else ""
         if not token:
             raise ValueError(f"admin token file {token_file!r} is empty")
-        return token
+        return _ascii_token(token, f"admin token file {token_file!r}")
     if token_env is not None:
         token = (environ if environ is not None else os.environ).get(token_env, "").strip()
         if not token:
             raise ValueError(f"admin token variable {token_env} is unset or empty")
-        return token
+        return _ascii_token(token, f"admin token variable {token_env}")
     return None
+
+
+def _ascii_token(token: str, where: str) -> str:
+    """A bearer token is printable ASCII (RFC 6750 b64token): no client could send another."""
+    if not (token.isascii() and token.isprintable()):
+        raise ValueError(f"{where} holds characters a bearer token cannot carry (printable "
+                         f"ASCII only)")
+    return token
 
 
 def _unauthorized(message: str) -> web.Response:
@@ -684,10 +735,14 @@ def bearer_middleware(token: str | None, protect_reads: bool = False) -> Any:
             return await handler(request)
         if request.method in SAFE_METHODS and not protect_reads:
             return await handler(request)
+        # aiohttp decodes header bytes as UTF-8 with surrogateescape: a non-ASCII byte is a
+        # lone surrogate that str.encode() refuses. A token is ASCII, so such a header is
+        # simply a wrong token; only ASCII ever reaches the comparison.
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
+        given = given.strip()
+        if scheme.lower() != "bearer" or not given:
             return _unauthorized("this endpoint needs 'Authorization: Bearer <token>'")
-        if not hmac.compare_digest(given.strip().encode(), expected):
+        if not given.isascii() or not hmac.compare_digest(given.encode("ascii"), expected):
             return _unauthorized("invalid bearer token")
         return await handler(request)
 
