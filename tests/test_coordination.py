@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -16,14 +17,20 @@ import pytest
 
 from tests.support.fake_kube import FakeKube
 from tests.test_rollouts_controller import CANARY, STABLE, Feed, GoodTracker, page, split
+from xds_server import rollout
 from xds_server.admin import AdminApi
 from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
+from xds_server.config import ConfigError, parse_config
 from xds_server.controller import Controller
 from xds_server.coordination import CoordinatedRollouts, warn_deprecated_drive
 from xds_server.leader import LeaderState, LeaseElector, coordination_api_client
 from xds_server.rollout import ABORTED, PROGRESSING, PROMOTED, RolloutCommandError, from_json
-from xds_server.rollout_store import STATE_KEY, WRITER_ANNOTATION, ConfigMapStateStore
+from xds_server.rollout_store import (
+    STATE_KEY,
+    WRITER_ANNOTATION,
+    ConfigMapStateStore,
+    StateConflict,
+)
 
 NS, CM = "trimtab", "trimtab-rollouts"
 
@@ -152,7 +159,6 @@ def test_a_conflict_rereads_and_redecides_and_never_overwrites_an_abort(
     a, _ = replica(kube, "a", leading=True)
     tick(a, 0.0)
     aborted = stored(kube)["states"]["p"]
-    from xds_server import rollout
     aborted = rollout.command(aborted, "abort", rollout.RolloutConfig(), 9.0)
 
     def operator_aborts(obj: dict[str, Any]) -> None:
@@ -301,7 +307,6 @@ def test_drive_is_deprecated_with_a_log_line(caplog: pytest.LogCaptureFixture) -
 
 
 def test_coordination_timing_is_validated() -> None:
-    from xds_server.config import ConfigError
     bad = {"pools": [{"name": "p", "model": "m", "endpoints": [{"address": STABLE}]}],
            "coordination": {"kubernetes": {"namespace": "n", "lease_seconds": 2,
                                            "renew_seconds": 2}}}
@@ -323,9 +328,32 @@ def test_configmap_store_round_trip_and_conflict(kube: FakeKube) -> None:
     assert loaded.states == a.states and loaded.version == stored_rv(kube)
     new_version = store.save(loaded.states, loaded.version)
     assert new_version == stored_rv(kube) != loaded.version
-    from xds_server.rollout_store import StateConflict
     with pytest.raises(StateConflict):
         store.save(loaded.states, loaded.version)  # stale version: refused, not overwritten
     with pytest.raises(StateConflict):
         store.save(loaded.states, None)  # "absent when read": create gets AlreadyExists
     assert json.loads(stored(kube)["obj"]["data"][STATE_KEY])["version"] == 1
+
+
+def test_a_write_keeps_the_labels_and_annotations_it_read(kube: FakeKube) -> None:
+    """deploy/ ships the ConfigMap (RBAC allows get and update of it only): trimtab's writes
+    keep what kubectl and kustomize put on it."""
+    store = ConfigMapStateStore(coordination_api_client(kube.host), NS, CM, "a")
+    shipped = {"apiVersion": "v1", "kind": "ConfigMap",
+               "metadata": {"name": CM, "namespace": NS,
+                            "labels": {"app.kubernetes.io/part-of": "trimtab"},
+                            "annotations": {"kubectl.kubernetes.io/last-applied-configuration":
+                                            "{}"}}}
+    request = urllib.request.Request(f"{kube.host}/api/v1/namespaces/{NS}/configmaps",
+                                     data=json.dumps(shipped).encode(), method="POST",
+                                     headers={"content-type": "application/json"})
+    with urllib.request.urlopen(request, timeout=5) as resp:
+        assert resp.status == 201
+    a, _ = replica(kube, "a", leading=True)
+    tick(a, 0.0)
+    meta = stored(kube)["obj"]["metadata"]
+    assert meta["labels"] == {"app.kubernetes.io/part-of": "trimtab"}
+    assert meta["annotations"]["kubectl.kubernetes.io/last-applied-configuration"] == "{}"
+    assert meta["annotations"][WRITER_ANNOTATION] == "a"
+    assert [w.op for w in writes(kube)] == ["create", "replace"]  # the shipped one, then ours
+    assert store.load().states == a.states

@@ -77,6 +77,10 @@ class ConfigMapStateStore:
     writer: str  # this replica's identity, recorded in an annotation
     request_timeout: float = 2.0
     _api: k8s_client.CoreV1Api = field(init=False, repr=False)
+    # the metadata last read, by resourceVersion: a replace keeps its labels and annotations
+    # (kubectl's last-applied, kustomize's labels), adding only the writer annotation
+    _read_metadata: tuple[str | None, dict[str, Any]] = field(default=(None, {}), init=False,
+                                                              repr=False)
 
     def __post_init__(self) -> None:
         self._api = k8s_client.CoreV1Api(self.api_client)
@@ -95,6 +99,7 @@ class ConfigMapStateStore:
         except API_ERRORS as exc:
             raise StateStoreError(f"cannot read {self.where}: {describe_error(exc)}") from None
         version = (obj.get("metadata") or {}).get("resourceVersion")
+        self._read_metadata = (version, dict(obj.get("metadata") or {}))
         text = (obj.get("data") or {}).get(STATE_KEY)
         if text is None:
             return StoredState({}, version)
@@ -105,9 +110,12 @@ class ConfigMapStateStore:
                                     f"it; trimtab will not guess a rollout's state)") from None
 
     def save(self, states: Mapping[str, RolloutState], version: str | None) -> str | None:
-        metadata: dict[str, Any] = {"name": self.name, "namespace": self.namespace,
-                                    "labels": {"app.kubernetes.io/name": "trimtab"},
-                                    "annotations": {WRITER_ANNOTATION: self.writer}}
+        read_version, read = self._read_metadata
+        kept = read if version is not None and read_version == version else {}
+        metadata: dict[str, Any] = {
+            "name": self.name, "namespace": self.namespace,
+            "labels": kept.get("labels") or {"app.kubernetes.io/name": "trimtab"},
+            "annotations": {**(kept.get("annotations") or {}), WRITER_ANNOTATION: self.writer}}
         body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": metadata,
                 "data": {STATE_KEY: rollout.to_json(states)}}
         try:
