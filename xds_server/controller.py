@@ -76,6 +76,7 @@ class Controller:
     def apply_config(self, config: Config) -> None:
         """Switch to a new (already validated) config; listener and routes are built here once."""
         self.config = config
+        self.store.hold_seconds = config.telemetry.stale_after_seconds
         self.sources = build_sources(config, self.scraper, needs_slo(config))
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
