@@ -363,3 +363,52 @@ def test_json_log_format_writes_one_object_per_line(tmp_path: Path,
     assert when.tzinfo is not None and abs((datetime.now(UTC) - when).total_seconds()) < 60
     assert (second["level"], second["message"]) == ("error", "it failed")
     assert "RuntimeError: boom" in second["exc"]
+
+
+# --- hostile files: refused with one line each, exit 2, never a traceback ---------------------
+
+_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+HOSTILE: dict[str, tuple[bytes, str]] = {
+    "not-utf8": (b"pools:\n- name: caf\xe9\n", "not UTF-8: byte 0xe9 at offset 18 (line 2)"),
+    "deep-flow": (b"[" * 100_000, "nest"),  # libyaml refuses these itself, at 1000 levels
+    "deep-block": ("".join("  " * i + "a:\n" for i in range(100)).encode(),
+                   "nested deeper than 64 levels at line 65"),
+    "alias-bomb": (_BOMB.encode(), "YAML nodes once aliases are expanded"),
+    "recursive-alias": (b"pools: &p [*p]\n", "recursive YAML alias"),
+    "alias-depth": ("".join(f"a{i}: &a{i} [{'*a' + str(i - 1) if i else 1}]\n"
+                            for i in range(100)).encode(), "aliases nest deeper than 64"),
+    "huge-int": (b"pools: " + b"9" * 5000 + b"\n", "unusable YAML value"),
+    "oversized": (b"#" * (4 * 1024 * 1024 + 1), "larger than 4194304 bytes"),
+    "nul-byte": (b"pools: [\x00]\n", "invalid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_validate_refuses_a_hostile_file_with_one_line(case: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    raw, reason = HOSTILE[case]
+    path = tmp_path / "config.yaml"
+    path.write_bytes(raw)
+    assert main(["validate", "--config", str(path)]) == EXIT_BAD_INPUT
+    lines = _problem_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and reason in lines[0], lines
+    assert "Traceback" not in lines[0]
+
+
+def test_validate_a_non_utf8_file_subprocess(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"pools:\n- name: caf\xe9\n")
+    result = _cli("validate", "--config", str(path))
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert "Traceback" not in result.stderr and "not UTF-8" in result.stderr
+
+
+def test_ordinary_anchors_and_aliases_still_load(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    text = ("pools:\n- name: a\n  model: m\n  endpoints: &eps [{address: 127.0.0.1:8001}]\n"
+            "- name: b\n  model: n\n  endpoints: *eps\n")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err

@@ -757,7 +757,7 @@ def _check_expansion(path: str | Path, root: yaml.Node) -> None:
 def _yaml_problem(path: str | Path, exc: Exception) -> ConfigError:
     mark = getattr(exc, "problem_mark", None)
     where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-    detail = getattr(exc, "problem", None) or exc
+    detail = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line
     return ConfigError([("", f"{path}: invalid YAML{where}: {detail}")])
 
 
