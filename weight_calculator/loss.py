@@ -78,8 +78,9 @@ def _held(computed: EndpointWeight, prior: EndpointWeight | None) -> EndpointWei
     health = DEGRADED if prior is not None and prior.health == DEGRADED else STALE
     how = f"holding weight {weight} from before the loss" if prior is not None else \
         "no weight from before the loss"
+    breakdown = {**computed.breakdown, "weight": float(weight)} if computed.breakdown else {}
     return replace(computed, weight=weight, stale=True, saturated=True, health=health,
-                   reason=f"fail-static: no endpoint of the pool has fresh telemetry; {how} "
+                   breakdown=breakdown, reason=f"fail-static: no endpoint of the pool has fresh telemetry; {how} "
                           f"({computed.reason})")
 
 

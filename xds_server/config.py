@@ -716,8 +716,9 @@ def _check_events(path: str | Path, text: str) -> None:
             depth += 1
             if depth > MAX_CONFIG_DEPTH:
                 mark = event.start_mark
-                raise ConfigError([("", f"{path}: nested deeper than {MAX_CONFIG_DEPTH} levels "
-                                        f"at line {mark.line + 1}")])
+                where = f" at line {mark.line + 1}" if mark is not None else ""
+                raise ConfigError([("", f"{path}: nested deeper than {MAX_CONFIG_DEPTH} "
+                                        f"levels{where}")])
         elif isinstance(event, yaml.CollectionEndEvent):
             depth -= 1
 

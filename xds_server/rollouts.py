@@ -96,7 +96,7 @@ class Rollouts:
         state = self.states.get(name) or rollout.start(name, pool.rollout or _default_policy(), now)
         new = rollout.command(state, action, pool.rollout or _default_policy(), now)
         self._save({**self.states, name: new})
-        self._store(name, self.states.get(name), new)
+        self._store(name, state, new)
         return new
 
     def _store(self, name: str, old: RolloutState | None, new: RolloutState) -> bool:
