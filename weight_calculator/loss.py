@@ -50,7 +50,7 @@ def _stamp(now: float, age: float, fresh: bool, stale_after_s: float) -> float:
 def on_tick_clock(observations: Mapping[str, Observation], interval_s: float,
                   stale_after_s: float, now: float) -> dict[str, Observation]:
     """``observations`` with each failed endpoint's sample aged in missed ticks."""
-    out = dict(observations)
+    changed: dict[str, Observation] = {}
     for address, obs in observations.items():
         sample = obs.sample
         if sample is None or obs.failures <= 0:
@@ -60,8 +60,8 @@ def on_tick_clock(observations: Mapping[str, Observation], interval_s: float,
             continue
         fresh = tick_fresh(obs.failures, interval_s, stale_after_s)
         stamp = _stamp(now, obs.failures * interval_s, fresh, stale_after_s)
-        out[address] = replace(obs, sample=replace(sample, collected_at=stamp))
-    return out
+        changed[address] = replace(obs, sample=replace(sample, collected_at=stamp))
+    return {**observations, **changed} if changed else dict(observations)
 
 
 def pool_lost(observations: Mapping[str, Observation]) -> bool:
@@ -100,10 +100,10 @@ def restore_stamps(weights: PoolWeights, observations: Mapping[str, Observation]
                    ) -> PoolWeights:
     """Give every endpoint the real read time of its sample as ``updated_at``."""
     fixed = {}
-    for address, ew in weights.endpoints.items():
-        obs = observations.get(address)
-        if obs is None or obs.sample is None or ew.updated_at is None:
-            continue
+    for address, obs in observations.items():
+        ew = weights.endpoints.get(address)
+        if obs.failures <= 0 or obs.sample is None or ew is None or ew.updated_at is None:
+            continue  # only a failed endpoint's sample was re-stamped
         if ew.updated_at != obs.sample.collected_at:
             fixed[address] = replace(ew, updated_at=obs.sample.collected_at)
     if not fixed:
@@ -114,15 +114,15 @@ def restore_stamps(weights: PoolWeights, observations: Mapping[str, Observation]
 def saturate(observations: Mapping[str, Observation], values: Mapping[str, float]
              ) -> dict[str, Observation]:
     """Each sample's ``saturated`` signals set to ``values[signal]`` (their saturated value)."""
-    out = dict(observations)
+    changed: dict[str, Observation] = {}
     for address, obs in observations.items():
         sample = obs.sample
         if sample is None or not sample.saturated:
             continue
         filled = {name: values[name] for name in sample.saturated if name in values}
         if filled:
-            out[address] = replace(obs, sample=_with(sample, filled))
-    return out
+            changed[address] = replace(obs, sample=_with(sample, filled))
+    return {**observations, **changed} if changed else dict(observations)
 
 
 def _with(sample: Sample, filled: Mapping[str, float]) -> Sample:
