@@ -412,3 +412,61 @@ def test_ordinary_anchors_and_aliases_still_load(tmp_path: Path,
     path = tmp_path / "config.yaml"
     path.write_text(text)
     assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+def _ticks(base: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base}/readyz", timeout=2) as response:
+            return int(json.loads(response.read())["ticks"])
+    except urllib.error.HTTPError as exc:
+        return int(json.loads(exc.read())["ticks"])
+
+
+def test_sighup_refuses_a_broken_file_then_applies_a_new_interval(tmp_path: Path) -> None:
+    admin = free_port()
+
+    def config(interval: float, xds_port: int) -> dict:
+        return {"xds": {"address": f"127.0.0.1:{xds_port}"},
+                "admin": {"address": f"127.0.0.1:{admin}"},
+                "listener": {"address": f"127.0.0.1:{free_port()}"},
+                "telemetry": {"interval_seconds": interval, "source": "static"},
+                "pools": [{"name": "p", "model": "m", "endpoints": [
+                    {"address": "127.0.0.1:8001", "signals": {"gpu_mem_pct": 10}}]}]}
+
+    xds = free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config(30.0, xds)))
+    log = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "xds_server.cli", "serve", "--config",
+                             str(path)], cwd=ROOT, stderr=log)
+    base = f"http://127.0.0.1:{admin}"
+
+    def wait(what: str, check) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert proc.poll() is None, "trimtab serve exited"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def logged() -> str:
+        return (tmp_path / "stderr").read_text()
+
+    try:
+        wait("the first tick", lambda: _get_status(f"{base}/readyz") == 200)
+        path.write_bytes(b"pools:\n- name: caf\xe9\n")
+        proc.send_signal(signal.SIGHUP)
+        wait("reload refused", lambda: "reload refused:" in logged())
+        path.write_text(yaml.safe_dump(config(1.0, free_port())))  # a new xds address
+        proc.send_signal(signal.SIGHUP)
+        wait("xds.address refused", lambda: "reload refused: xds.address" in logged())
+        before = _ticks(base)
+        path.write_text(yaml.safe_dump(config(0.1, xds)))
+        proc.send_signal(signal.SIGHUP)
+        wait("ticks at the new interval", lambda: _ticks(base) >= before + 5)
+        assert "not UTF-8" in logged()
+        assert "Task exception was never retrieved" not in logged()
+        assert "Traceback" not in logged()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        log.close()
