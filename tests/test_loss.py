@@ -107,11 +107,14 @@ class LossyFleet:
         self.lost_at: dict[str, float] = {}
         self.tick_start = NOW
 
+    def failing(self, address: str, read_at: float) -> bool:
+        return read_at >= self.lost_at.get(address, float("inf"))
+
     async def scrape(self, targets, now, parse=None):
         out = {}
         for address in targets:
             read_at = self.tick_start + self.rng.uniform(0.001, 0.4)
-            if read_at >= self.lost_at.get(address, float("inf")):
+            if self.failing(address, read_at):
                 error = self.rng.choice(["parse: not a Prometheus text page", "http: status 500",
                                          "timeout: no complete answer within 1.6s"])
                 out[address] = ScrapeResult(None, error, read_at)
@@ -240,3 +243,60 @@ def test_a_signal_the_server_never_reports_is_renormalised_not_saturated() -> No
                        "10.1.0.2:80": ScrapeResult({"queue": 2.0, "kv_usage": 0.0}, None, NOW)})
     tgi = controller.weights["t"].endpoints["10.1.0.1:80"]
     assert tgi.problems == () and "kv_usage" not in tgi.signals and tgi.weight > 50
+
+
+# --- coming out of a pool-wide loss ----------------------------------------------------------
+
+
+class RecoveringFleet(LossyFleet):
+    """As LossyFleet; a read that starts at or after its endpoint's ``back_at`` works again."""
+
+    def __init__(self, signals, rng) -> None:
+        super().__init__(signals, rng)
+        self.back_at: dict[str, float] = {}
+
+    def failing(self, address: str, read_at: float) -> bool:
+        return super().failing(address, read_at) and \
+            read_at < self.back_at.get(address, float("inf"))
+
+
+def _run_recovery(back: dict[str, float], seed: int, ticks: int = 22
+                  ) -> list[tuple[dict[str, int], bool]]:
+    rng = random.Random(seed)
+    fleet = RecoveringFleet(SIGNALS["gpu_memory"], rng)
+    clock = [NOW]
+    cache = SnapshotCache()
+    controller = Controller(_config("gpu_memory"), cache, scraper=fleet, clock=lambda: clock[0])
+    loss = NOW + 6 * INTERVAL + 0.3
+    fleet.lost_at = dict.fromkeys(ADDRESSES, loss)
+    fleet.back_at = {a: loss + offset for a, offset in back.items()}
+    seen = []
+    for k in range(ticks):
+        fleet.tick_start = NOW + k * INTERVAL + rng.uniform(0.0, 0.02)
+        clock[0] = fleet.tick_start + rng.uniform(0.41, 1.7)
+        asyncio.run(controller.tick())
+        seen.append((_eds(cache), controller.weights["p"].fail_static))
+    return seen
+
+
+def test_endpoints_back_a_tick_after_the_others_keep_their_weight() -> None:
+    """Telemetry returns at one instant, which falls between the reads of one tick: the
+    endpoints read before it still fail in that tick, long past stale_after on the wall
+    clock, and must not drop to 1 while the pool is no longer fail-static."""
+    for seed in range(20):
+        back = 10 * INTERVAL + seed * INTERVAL / 20  # 20 s of loss, any phase
+        seen = _run_recovery(dict.fromkeys(ADDRESSES, back), seed)
+        before, _ = seen[5]
+        assert all(weights == before for weights, _ in seen[6:]), (seed, seen)
+        assert not seen[-1][1] and any(static for _, static in seen)
+
+
+def test_an_endpoint_that_never_comes_back_goes_stale_after_the_pool_recovered() -> None:
+    back = {ADDRESSES[0]: 10 * INTERVAL, ADDRESSES[1]: 10 * INTERVAL}  # the third stays lost
+    seen = _run_recovery(back, seed=3, ticks=24)
+    before, _ = seen[5]
+    recovered = next(i for i, (_, static) in enumerate(seen) if i > 6 and not static)
+    third = [weights[ADDRESSES[2]] for weights, _ in seen[recovered:]]
+    # held for stale_after counted from the recovery (less a tick it may have lost before
+    # the others), then saturated like any endpoint that lost its telemetry alone
+    assert third[:2] == [before[ADDRESSES[2]]] * 2 and set(third[4:]) == {1}, third

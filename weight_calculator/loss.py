@@ -14,6 +14,10 @@ Pure functions only: the caller passes ``now``; nothing here reads a clock or do
   away): it goes fail-static at once and every endpoint keeps the weight it had before the
   loss (``previous``). No endpoint can drop to weight 1 a tick before the pool goes
   fail-static, so fail-static never freezes such a 1.
+  When the pool reads again, an endpoint's missed ticks from the loss are excused (carried
+  in ``PoolWeights.excused``) until it reads again itself, so an endpoint that comes back a
+  tick after the others keeps its weight too; one that never comes back goes stale
+  ``stale_after`` after the pool recovered.
 * :func:`restore_stamps` (after the policy): ``updated_at`` shows the real read time again.
 * :func:`saturate` (before the policy): a load signal the server sends garbled for longer
   than ``stale_after`` (``Sample.saturated``) gets the value that normalises to 1.0.
@@ -48,18 +52,23 @@ def _stamp(now: float, age: float, fresh: bool, stale_after_s: float) -> float:
 
 
 def on_tick_clock(observations: Mapping[str, Observation], interval_s: float,
-                  stale_after_s: float, now: float) -> dict[str, Observation]:
-    """``observations`` with each failed endpoint's sample aged in missed ticks."""
+                  stale_after_s: float, now: float,
+                  excused: Mapping[str, int] | None = None) -> dict[str, Observation]:
+    """``observations`` with each failed endpoint's sample aged in missed ticks, less the
+    ticks ``excused`` (those of a pool-wide loss the pool has come out of)."""
+    excused = excused or {}
     changed: dict[str, Observation] = {}
     for address, obs in observations.items():
         sample = obs.sample
         if sample is None or obs.failures <= 0:
             continue
+        forgiven = min(excused.get(address, 0), obs.failures)
         wall_age = now - sample.collected_at
-        if not wall_age <= stale_after_s + interval_s:  # overdue ticks (NaN: stale too)
+        if not forgiven and not wall_age <= stale_after_s + interval_s:  # overdue (NaN too)
             continue
-        fresh = tick_fresh(obs.failures, interval_s, stale_after_s)
-        stamp = _stamp(now, obs.failures * interval_s, fresh, stale_after_s)
+        missed = obs.failures - forgiven
+        fresh = tick_fresh(missed, interval_s, stale_after_s)
+        stamp = _stamp(now, missed * interval_s, fresh, stale_after_s)
         changed[address] = replace(obs, sample=replace(sample, collected_at=stamp))
     return {**observations, **changed} if changed else dict(observations)
 
@@ -87,13 +96,22 @@ def _held(computed: EndpointWeight, prior: EndpointWeight | None) -> EndpointWei
 def hold_on_loss(weights: PoolWeights, observations: Mapping[str, Observation],
                  previous: PoolWeights | None) -> PoolWeights:
     """Fail-static at once when the pool lost telemetry pool-wide (see :func:`pool_lost`);
-    each endpoint keeps its weight in ``previous`` (the policy's where it has none)."""
+    each endpoint keeps its weight in ``previous`` (the policy's where it has none), and the
+    tick is excused to every endpoint (an endpoint dead before the loss stays dead: only the
+    pool's lost ticks are excused, not its own earlier ones). Out of the loss, an endpoint's excuse lasts while it
+    has not read again, so the endpoints that come back a tick later than the others keep
+    their weight meanwhile (and go stale stale_after later if they never come back)."""
     if not pool_lost(observations):
-        return weights
+        excused = {address: ticks for address, ticks in
+                   (previous.excused.items() if previous is not None else ())
+                   if address in observations and observations[address].failures > 0}
+        return replace(weights, excused=excused) if excused or weights.excused else weights
     held = previous.endpoints if previous is not None else {}
     endpoints = {address: _held(ew, held.get(address))
                  for address, ew in weights.endpoints.items()}
-    return PoolWeights(endpoints=endpoints, fail_static=True)
+    before = previous.excused if previous is not None else {}
+    excused = {address: before.get(address, 0) + 1 for address in observations}  # lost ticks
+    return PoolWeights(endpoints=endpoints, fail_static=True, excused=excused)
 
 
 def restore_stamps(weights: PoolWeights, observations: Mapping[str, Observation]
@@ -108,7 +126,7 @@ def restore_stamps(weights: PoolWeights, observations: Mapping[str, Observation]
             fixed[address] = replace(ew, updated_at=obs.sample.collected_at)
     if not fixed:
         return weights
-    return PoolWeights(endpoints={**weights.endpoints, **fixed}, fail_static=weights.fail_static)
+    return replace(weights, endpoints={**weights.endpoints, **fixed})
 
 
 def saturate(observations: Mapping[str, Observation], values: Mapping[str, float]

@@ -77,3 +77,7 @@ class PoolWeights:
 
     endpoints: Mapping[str, EndpointWeight]  # keyed by endpoint address "host:port"
     fail_static: bool  # every endpoint stale beyond the limit -> held previous weights
+    # Missed ticks of each endpoint that fell in a pool-wide loss: once the pool reads again
+    # they do not count against stale_after (see weight_calculator.loss), while that endpoint
+    # is still catching up.
+    excused: Mapping[str, int] = field(default_factory=dict)

@@ -80,12 +80,14 @@ def saturated_values(config: Config, pool: PoolConfig) -> dict[str, float]:
 
 
 def policy_observations(config: Config, pool: PoolConfig,
-                        observations: Mapping[str, Observation], now: float
-                        ) -> dict[str, Observation]:
-    """What every policy is given: saturated signals filled in, ages in missed ticks."""
+                        observations: Mapping[str, Observation], now: float,
+                        previous: PoolWeights | None = None) -> dict[str, Observation]:
+    """What every policy is given: saturated signals filled in, ages in missed ticks (less
+    those excused by a pool-wide loss, see ``previous.excused``)."""
     telemetry = config.telemetry
     filled = saturate(observations, saturated_values(config, pool))
-    return on_tick_clock(filled, telemetry.interval_seconds, telemetry.stale_after_seconds, now)
+    return on_tick_clock(filled, telemetry.interval_seconds, telemetry.stale_after_seconds, now,
+                         previous.excused if previous is not None else None)
 
 
 def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
@@ -94,7 +96,8 @@ def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[Endpoi
     """The pool policy's weights, then warm-up (endpoints younger than stale_after with no
     telemetry yet) and the flags of rejected inputs."""
     prior = without_warm_up(previous)
-    read, observations = observations, policy_observations(config, pool, observations, now)
+    read, observations = observations, policy_observations(config, pool, observations, now,
+                                                           prior)
     if config.weights.policy == "composite":
         inputs = {ep.address: _composite_input(ep, observations[ep.address],
                                                latency.itl_ms(ep.address, now))
