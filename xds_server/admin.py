@@ -24,6 +24,7 @@ from .explain import breakdown_document
 from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
+from .rollouts import RolloutPersistError
 from .security import bearer_middleware
 from .status_page import add_status_routes
 from .test_hooks import invalid_weight_mutator
@@ -184,6 +185,9 @@ class AdminApi:
             state = self.controller.rollouts.command(pool, action, self.controller.clock())
         except RolloutCommandError as exc:
             return json_error(409 if action in ROLLOUT_ACTIONS else 400, str(exc))
+        except RolloutPersistError as exc:  # ours/the environment's: nothing was changed
+            log.error("rollout command %s %s refused: %s", action, pool, exc)
+            return json_error(500, f"{exc}; the command was not applied")
         self.controller.set_canary_percent(self.controller.rollouts.percents())
         self.controller.publish()
         return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
