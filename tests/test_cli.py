@@ -456,6 +456,8 @@ def test_bind_error_reasons() -> None:
     check_bindable("127.0.0.1:0")
     assert str(cannot_listen(free, RuntimeError("Failed to bind to address x; set ..."))) == (
         f"cannot listen on {free}: Failed to bind to address x")
+
+
 # --- hostile files: refused with one line each, exit 2, never a traceback ---------------------
 
 _BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
