@@ -456,3 +456,110 @@ def test_bind_error_reasons() -> None:
     check_bindable("127.0.0.1:0")
     assert str(cannot_listen(free, RuntimeError("Failed to bind to address x; set ..."))) == (
         f"cannot listen on {free}: Failed to bind to address x")
+
+
+# --- hostile files: refused with one line each, exit 2, never a traceback ---------------------
+
+_BOMB = 'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]\n' + "".join(
+    f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 9)}]\n" for i in range(8))
+HOSTILE: dict[str, tuple[bytes, str]] = {
+    "not-utf8": (b"pools:\n- name: caf\xe9\n", "not UTF-8: byte 0xe9 at offset 18 (line 2)"),
+    "deep-flow": (b"[" * 100_000, "nest"),  # libyaml refuses these itself, at 1000 levels
+    "deep-block": ("".join("  " * i + "a:\n" for i in range(100)).encode(),
+                   "nested deeper than 64 levels at line 65"),
+    "alias-bomb": (_BOMB.encode(), "YAML nodes once aliases are expanded"),
+    "recursive-alias": (b"pools: &p [*p]\n", "recursive YAML alias"),
+    "alias-depth": ("".join(f"a{i}: &a{i} [{'*a' + str(i - 1) if i else 1}]\n"
+                            for i in range(100)).encode(), "aliases nest deeper than 64"),
+    "huge-int": (b"pools: " + b"9" * 5000 + b"\n", "unusable YAML value"),
+    "oversized": (b"#" * (4 * 1024 * 1024 + 1), "larger than 4194304 bytes"),
+    "nul-byte": (b"pools: [\x00]\n", "invalid YAML"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_validate_refuses_a_hostile_file_with_one_line(case: str, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]
+                                                       ) -> None:
+    raw, reason = HOSTILE[case]
+    path = tmp_path / "config.yaml"
+    path.write_bytes(raw)
+    assert main(["validate", "--config", str(path)]) == EXIT_BAD_INPUT
+    lines = _problem_lines(capsys.readouterr().err)
+    assert len(lines) == 1 and reason in lines[0], lines
+    assert "Traceback" not in lines[0]
+
+
+def test_validate_a_non_utf8_file_subprocess(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_bytes(b"pools:\n- name: caf\xe9\n")
+    result = _cli("validate", "--config", str(path))
+    assert result.returncode == EXIT_BAD_INPUT, result.stderr
+    assert "Traceback" not in result.stderr and "not UTF-8" in result.stderr
+
+
+def test_ordinary_anchors_and_aliases_still_load(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    text = ("pools:\n- name: a\n  model: m\n  endpoints: &eps [{address: 127.0.0.1:8001}]\n"
+            "- name: b\n  model: n\n  endpoints: *eps\n")
+    path = tmp_path / "config.yaml"
+    path.write_text(text)
+    assert main(["validate", "--config", str(path)]) == 0, capsys.readouterr().err
+
+
+def _ticks(base: str) -> int:
+    try:
+        with urllib.request.urlopen(f"{base}/readyz", timeout=2) as response:
+            return int(json.loads(response.read())["ticks"])
+    except urllib.error.HTTPError as exc:
+        return int(json.loads(exc.read())["ticks"])
+
+
+def test_sighup_refuses_a_broken_file_then_applies_a_new_interval(tmp_path: Path) -> None:
+    admin = free_port()
+
+    def config(interval: float, xds_port: int) -> dict:
+        return {"xds": {"address": f"127.0.0.1:{xds_port}"},
+                "admin": {"address": f"127.0.0.1:{admin}"},
+                "listener": {"address": f"127.0.0.1:{free_port()}"},
+                "telemetry": {"interval_seconds": interval, "source": "static"},
+                "pools": [{"name": "p", "model": "m", "endpoints": [
+                    {"address": "127.0.0.1:8001", "signals": {"gpu_mem_pct": 10}}]}]}
+
+    xds = free_port()
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config(30.0, xds)))
+    log = (tmp_path / "stderr").open("w+")
+    proc = subprocess.Popen([sys.executable, "-m", "xds_server.cli", "serve", "--config",
+                             str(path)], cwd=ROOT, stderr=log)
+    base = f"http://127.0.0.1:{admin}"
+
+    def wait(what: str, check) -> None:
+        deadline = time.monotonic() + 20
+        while not check():
+            assert proc.poll() is None, "trimtab serve exited"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.05)
+
+    def logged() -> str:
+        return (tmp_path / "stderr").read_text()
+
+    try:
+        wait("the first tick", lambda: _get_status(f"{base}/readyz") == 200)
+        path.write_bytes(b"pools:\n- name: caf\xe9\n")
+        proc.send_signal(signal.SIGHUP)
+        wait("reload refused", lambda: "reload refused:" in logged())
+        path.write_text(yaml.safe_dump(config(1.0, free_port())))  # a new xds address
+        proc.send_signal(signal.SIGHUP)
+        wait("xds.address refused", lambda: "reload refused: xds.address" in logged())
+        before = _ticks(base)
+        path.write_text(yaml.safe_dump(config(0.1, xds)))
+        proc.send_signal(signal.SIGHUP)
+        wait("ticks at the new interval", lambda: _ticks(base) >= before + 5)
+        assert "not UTF-8" in logged()
+        assert "Task exception was never retrieved" not in logged()
+        assert "Traceback" not in logged()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+        log.close()

@@ -239,9 +239,10 @@ def test_nan_kv_usage_flags_the_endpoint_and_never_reaches_its_weight(caplog):
     flagged = controller.weights["c"].endpoints["127.0.0.1:1"]
     assert flagged.problems and flagged.problems[0].startswith("kv_usage: ")
     assert "nan" in flagged.problems[0] and "input problems: kv_usage" in flagged.reason
-    assert flagged.health == "HEALTHY" and "kv_usage" not in flagged.signals
-    assert "norm.memory" not in flagged.breakdown and "input.kv_usage" not in flagged.breakdown
-    assert flagged.weight == 75  # queue alone: 1 - 8/32
+    # never read valid: counted as saturated at once (not renormalised over the queue)
+    assert flagged.signals["kv_usage"] == 1.0 and flagged.breakdown["input.kv_usage"] == 1.0
+    assert flagged.problems[1] == "kv_usage: counted as saturated until it is valid again"
+    assert flagged.health == "DEGRADED" and flagged.weight == 1
     assert controller.weights["c"].endpoints["127.0.0.1:2"].problems == ()
     assert _errors("c") - before == 2  # one flagged read per tick
     logged = [r for r in caplog.records if "input problems" in r.getMessage()]
@@ -255,8 +256,9 @@ def test_out_of_range_signal_from_any_source_is_screened(bad: float):
     controller.ingest({"127.0.0.1:1": ScrapeResult({"kv_usage": bad, "queue": 8.0}, None, 1000.0),
                        "127.0.0.1:2": ScrapeResult({"kv_usage": 0.5, "queue": 8.0}, None, 1000.0)})
     flagged = controller.weights["c"].endpoints["127.0.0.1:1"]
-    assert flagged.weight == 75 and flagged.health == "HEALTHY"
-    assert flagged.problems == (f"kv_usage: value {bad!r} rejected, outside [0, 1]",)
+    assert flagged.weight == 1 and flagged.health == "DEGRADED"  # saturated: no good value yet
+    assert flagged.problems == (f"kv_usage: value {bad!r} rejected, outside [0, 1]",
+                                "kv_usage: counted as saturated until it is valid again")
     assert controller.stats.problems == {"c/127.0.0.1:1": flagged.problems}
     controller.ingest({"127.0.0.1:1": ScrapeResult({"kv_usage": 0.5, "queue": 8.0}, None, 1000.0)})
     assert controller.weights["c"].endpoints["127.0.0.1:1"].problems == ()

@@ -357,3 +357,12 @@ def test_a_write_keeps_the_labels_and_annotations_it_read(kube: FakeKube) -> Non
     assert meta["annotations"][WRITER_ANNOTATION] == "a"
     assert [w.op for w in writes(kube)] == ["create", "replace"]  # the shipped one, then ours
     assert store.load().states == a.states
+
+
+def test_a_reload_that_changes_coordination_is_refused_naming_the_key() -> None:
+    from xds_server.app import restart_only_changes
+    old = config()
+    data = old.model_dump(mode="json")
+    data["coordination"]["kubernetes"]["lease_seconds"] = 30
+    assert restart_only_changes(old, parse_config(data)) == [
+        "coordination.kubernetes.lease_seconds"]

@@ -56,11 +56,11 @@ def test_static_json_rows_flag_rejected_inputs() -> None:
     assert (rows["10.0.2.2:80"]["capacity"], rows["10.0.2.2:80"]["capacity_tokens"]) == \
         (0.5, 10000.0)
     bad = rows["10.0.2.3:80"]
-    assert bad["problems"] == ["kv_usage: value -0.5 rejected, outside [0, 1]"]
-    assert "kv_usage" not in bad["inputs"] and bad["normalised"] == {"queue": 0.5}
-    # no capacity of its own: the pool median (15000) relative to the largest (20000)
-    assert (bad["capacity"], bad["capacity_tokens"]) == (0.75, None)
-    assert bad["weight"] == 38 and bad["health"] == "HEALTHY"  # (1 - 0.5) * 0.75
+    assert bad["problems"] == ["kv_usage: value -0.5 rejected, outside [0, 1]",
+                               "kv_usage: counted as saturated until it is valid again"]
+    # reported but garbled with no good value to hold: counted as saturated (KV full)
+    assert bad["inputs"]["kv_usage"] == 1.0
+    assert bad["weight"] == 1 and bad["health"] == "DEGRADED"
 
 
 ITL_S = 0.040

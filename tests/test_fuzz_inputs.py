@@ -2,19 +2,22 @@
 
 Invariants: a metrics page either parses or raises MetricsFormatError (a ValueError) — never
 anything else, never a NaN in a signal; a config either validates or raises ConfigError with
-key paths — never a crash. `FUZZ_EXAMPLES` raises the case count (benchmarks/fuzz.sh).
+key paths — never a crash; a config *file* (any bytes: encodings, nesting, anchors, aliases,
+alias bombs) loads or raises ConfigError with one line per problem. `FUZZ_EXAMPLES` raises the case count (benchmarks/fuzz.sh).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import tempfile
+from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from xds_server.adapters import parse_page
-from xds_server.config import ConfigError, parse_config
+from xds_server.config import ConfigError, load_config, parse_config
 from xds_server.telemetry import MetricsFormatError
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
@@ -85,3 +88,49 @@ def test_configs_validate_or_fail_with_key_paths(doc):
     except ConfigError as exc:
         assert exc.problems
         assert all(isinstance(path, str) and reason for path, reason in exc.problems)
+
+
+# --- config files as bytes: encodings, nesting, anchors and aliases --------------------------
+
+YAML_PIECES = ["pools:", "\n", "- ", "  ", "name: a", "model: m", "endpoints:", "&a ", "&b ",
+               "*a", "*b", "[", "]", "{", "}", ", ", ": ", "<<: *a", "!!str ", "!!python/name:x",
+               '"\\ud800"', "'", "#", "address: 127.0.0.1:1", "9" * 5000, "1e999", "~", "\t"]
+RAW_BYTES = [b"\xff", b"\xfe\xff", b"\xe9", b"\x00", b"\xef\xbb\xbf", b"\xc3\x28", b"\r\n"]
+config_bytes = st.lists(st.one_of(st.sampled_from(YAML_PIECES).map(str.encode),
+                                  st.sampled_from(RAW_BYTES), st.binary(max_size=8)),
+                        max_size=40).map(b"".join)
+
+
+def _nested(depth: int, alias_levels: int) -> bytes:
+    """A deep document, or an alias chain whose expansion is deep or large."""
+    if alias_levels:
+        rows = ['l0: &l0 ["x", "x", "x", "x"]']
+        rows += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 4)}]" for i in range(1, alias_levels)]
+        return ("\n".join(rows) + "\n").encode()
+    return b"pools: " + b"[" * depth + b"]" * depth + b"\n"
+
+
+_FUZZ_DIR = tempfile.TemporaryDirectory(prefix="trimtab-fuzz-")
+
+
+def _load(raw: bytes) -> None:
+    path = Path(_FUZZ_DIR.name) / "config.yaml"
+    path.write_bytes(raw)
+    try:
+        load_config(path)
+    except ConfigError as exc:
+        assert exc.problems
+        assert all(isinstance(p, str) and reason and "\n" not in reason
+                   for p, reason in exc.problems), exc.problems
+
+
+@FUZZ
+@given(config_bytes)
+def test_config_files_load_or_fail_with_one_line_per_problem(raw):
+    _load(raw)
+
+
+@FUZZ
+@given(st.integers(0, 3000), st.integers(0, 14))
+def test_deep_and_alias_heavy_configs_are_refused_not_crashing(depth, alias_levels):
+    _load(_nested(depth, alias_levels))

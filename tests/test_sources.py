@@ -210,7 +210,10 @@ def test_prometheus_instance_label_maps_to_endpoints() -> None:
     assert results["10.0.0.3:8000"].signals is None
     assert results["10.0.0.3:8000"].error == "prometheus: no series with instance='10.0.0.3:8000'"
     flagged = controller.weights["p"].endpoints["10.0.0.2:8000"]
-    assert flagged.problems == nan.problems and flagged.weight == 88  # 1 - 4/32, queue alone
+    # reported but garbled, never valid before: counted as saturated, not renormalised away
+    assert flagged.problems == (*nan.problems,
+                                "kv_usage: counted as saturated until it is valid again")
+    assert flagged.weight == 1 and flagged.health == "DEGRADED"
 
 
 def test_prometheus_other_label_and_a_failed_query_flag_each_endpoint() -> None:

@@ -289,7 +289,7 @@ def test_store_keeps_last_good_sample_on_failure() -> None:
     store.record("a:1", failed(NOW + 4, "connect: refused"))
     assert store.observations(["a:1"]) == {
         "a:1": Observation(Sample(NOW, {"gpu_mem_pct": 40.0}), error="connect: refused",
-                           first_seen=NOW)
+                           first_seen=NOW, failures=2)
     }
 
 
@@ -306,7 +306,7 @@ def test_store_failure_before_any_success_and_unknown_addresses() -> None:
     store = TelemetryStore()
     store.record("a:1", failed(NOW, "http: status 500"))
     assert store.observations(["a:1", "b:1"]) == {
-        "a:1": Observation(sample=None, error="http: status 500", first_seen=NOW),
+        "a:1": Observation(sample=None, error="http: status 500", first_seen=NOW, failures=1),
         "b:1": Observation(sample=None, error=None),
     }
 

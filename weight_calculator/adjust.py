@@ -48,7 +48,7 @@ def warm_up(
         if ew is not None and warming(obs, window_s, now):
             endpoints[address] = replace(ew, weight=warmup_weight, saturated=False,
                                          health=WARMING, reason=_warm_reason(obs, window_s))
-    return PoolWeights(endpoints=endpoints, fail_static=False)
+    return replace(weights, endpoints=endpoints, fail_static=False)
 
 
 def without_warm_up(previous: PoolWeights | None) -> PoolWeights | None:
@@ -58,7 +58,7 @@ def without_warm_up(previous: PoolWeights | None) -> PoolWeights | None:
     kept = {a: ew for a, ew in previous.endpoints.items() if ew.health != WARMING}
     if len(kept) == len(previous.endpoints):
         return previous
-    return PoolWeights(endpoints=kept, fail_static=previous.fail_static)
+    return replace(previous, endpoints=kept)
 
 
 def _flagged(ew: EndpointWeight, problems: tuple[str, ...]) -> EndpointWeight:
@@ -75,5 +75,4 @@ def flag_problems(weights: PoolWeights, observations: Mapping[str, Observation])
     }
     if not flagged:
         return weights
-    return PoolWeights(endpoints={**weights.endpoints, **flagged},
-                       fail_static=weights.fail_static)
+    return replace(weights, endpoints={**weights.endpoints, **flagged})

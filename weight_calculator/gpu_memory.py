@@ -64,6 +64,9 @@ def _endpoint_weight(obs: Observation, policy: GpuMemoryPolicy, now: float) -> E
         return _saturated(
             policy, obs, f"stale {age:.1f}s > {policy.stale_after_seconds:g}s: saturated"
         )
+    if SIGNAL in sample.saturated:
+        return _saturated(policy, obs, f"{SIGNAL} rejected for longer than "
+                                       f"{policy.stale_after_seconds:g}s: saturated")
     try:
         weight = gpu_memory_weight(sample.signals[SIGNAL])
     except KeyError:

@@ -16,6 +16,10 @@ class Sample:
     # Inputs present on the read but rejected (NaN, negative, out of range) or partly failed
     # (e.g. the node's DCGM page), one line each; they are never in ``signals``.
     problems: tuple[str, ...] = ()
+    # Load signals the server reports but sent garbled for longer than stale_after: they
+    # count as saturated (see :mod:`weight_calculator.loss`); a value held from an earlier
+    # read is in ``signals`` and not named here.
+    saturated: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,9 @@ class Observation:
     sample: Sample | None  # last GOOD sample, or None if never read successfully
     error: str | None = None  # error of the LATEST attempt; None if it succeeded
     first_seen: float | None = None  # unix seconds the endpoint was first known (warm-up)
+    # Read attempts that failed in a row since the last good sample (0: the latest worked).
+    # Staleness is counted in these missed ticks (see :mod:`weight_calculator.loss`).
+    failures: int = 0
 
 
 @dataclass(frozen=True)
@@ -70,3 +77,7 @@ class PoolWeights:
 
     endpoints: Mapping[str, EndpointWeight]  # keyed by endpoint address "host:port"
     fail_static: bool  # every endpoint stale beyond the limit -> held previous weights
+    # Missed ticks of each endpoint that fell in a pool-wide loss: once the pool reads again
+    # they do not count against stale_after (see weight_calculator.loss), while that endpoint
+    # is still catching up.
+    excused: Mapping[str, int] = field(default_factory=dict)

@@ -25,6 +25,7 @@ from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
 from .rollout_store import StateStoreError
+from .rollouts import RolloutPersistError
 from .security import bearer_middleware
 from .status_page import add_status_routes
 from .test_hooks import invalid_weight_mutator
@@ -187,6 +188,9 @@ class AdminApi:
                                                             self.controller.clock())
         except RolloutCommandError as exc:
             return json_error(409 if action in ROLLOUT_ACTIONS else 400, str(exc))
+        except RolloutPersistError as exc:  # ours/the environment's: nothing was changed
+            log.error("rollout command %s %s refused: %s", action, pool, exc)
+            return json_error(500, f"{exc}; the command was not applied")
         except StateStoreError as exc:  # the API server's or the disk's: nothing changed
             log.error("rollout command %s %s not applied: %s", action, pool, exc)
             return json_error(503, f"{exc}; the command was not applied")

@@ -38,6 +38,45 @@ log = logging.getLogger("trimtab")
 SHUTDOWN_GRACE_S = 2.0
 
 
+# Keys read once at start (listen addresses, TLS, server limits, the admin token, the state
+# file): a reload that changes one is refused, naming it.
+RESTART_ONLY = ("xds", "admin", "keda.address", "rollouts.state_file",
+                "coordination")  # the Lease elector and the state store are built at start
+
+
+def _leaves(value: object, path: str) -> dict[str, object]:
+    if isinstance(value, dict) and value:
+        out: dict[str, object] = {}
+        for key, inner in value.items():
+            out.update(_leaves(inner, f"{path}.{key}"))
+        return out
+    return {path: value}
+
+
+def restart_only_changes(old: Config, new: Config) -> list[str]:
+    """The RESTART_ONLY keys (to the leaf, e.g. ``xds.tls.cert_file``) ``new`` changes."""
+    before, after = old.model_dump(mode="json"), new.model_dump(mode="json")
+    changed: list[str] = []
+    for key in RESTART_ONLY:
+        section, _, leaf = key.partition(".")
+        a, b = before.get(section), after.get(section)
+        if leaf:
+            a, b = (a or {}).get(leaf), (b or {}).get(leaf)
+        if a != b:
+            old_leaves, new_leaves = _leaves(a, key), _leaves(b, key)
+            changed += sorted(k for k in old_leaves.keys() | new_leaves.keys()
+                              if old_leaves.get(k, None) != new_leaves.get(k, None)
+                              or (k in old_leaves) != (k in new_leaves))
+    return changed
+
+
+def _refuse(problems: list[tuple[str, str]]) -> bool:
+    for path, reason in problems:
+        log.error("reload refused: %s; keeping the last good config",
+                  f"{path}: {reason}" if path else reason)
+    return False
+
+
 def state_file_path(config: Config, config_path: str | Path | None) -> Path:
     path = Path(config.rollouts.state_file)
     if not path.is_absolute() and config_path is not None:
@@ -131,25 +170,37 @@ class Trimtab:
             await set_serving(self._health, list(XDS_SERVICE_NAMES), True)
 
     async def reload(self) -> bool:
-        """Re-read the config file. A bad file is reported and the last good config stays."""
+        """Re-read the config file and apply every key, or refuse the whole reload (logged
+        as ``reload refused: ...``, one line per problem) and keep the last good config: a
+        bad file, or a change to a key that only takes effect at start (see RESTART_ONLY)."""
         if self.config_path is None:
             return False
         try:
             config = load_config(self.config_path)
         except ConfigError as exc:
-            log.error("reload refused, keeping the last good config:\n%s", exc)
+            return _refuse(exc.problems)
+        except Exception as exc:  # noqa: BLE001 - SIGHUP must never kill or half-apply
+            return _refuse([("", f"cannot load {self.config_path}: {type(exc).__name__}: {exc}")])
+        fixed = restart_only_changes(self.config, config)
+        if fixed:
+            return _refuse([(key, "cannot change while running; restart trimtab to apply it")
+                            for key in fixed])
+        try:
+            await self._apply_reload(config)
+        except Exception:  # noqa: BLE001 - logged with its traceback, the loop goes on
+            log.exception("reload of %s failed while applying it", self.config_path)
             return False
-        for key in ("xds", "admin"):
-            if getattr(config, key) != getattr(self.config, key):
-                log.warning("reload: %s.address changes need a restart; keeping %s", key,
-                            getattr(self.config, key).address)
-        self.config = config.model_copy(update={"xds": self.config.xds, "admin": self.config.admin})
-        self.guard.update(NodeAuthorizer.from_config(self.config.nodes))
-        await self.discovery.close()
-        await self.controller.reload(self.discovery.effective(self.config))
-        self.discovery.start(self.config)
         log.info("reloaded config from %s", self.config_path)
         return True
+
+    async def _apply_reload(self, config: Config) -> None:
+        self.config = config
+        self.guard.update(NodeAuthorizer.from_config(config.nodes))
+        self.history.resize(WeightHistory.for_interval(config.telemetry.interval_seconds)
+                            .max_points)
+        await self.discovery.close()
+        await self.controller.reload(self.discovery.effective(config))
+        self.discovery.start(config)
 
     def _record_history(self) -> None:
         self.history.record(self.controller.clock(), weights_document(self.controller))

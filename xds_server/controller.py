@@ -8,7 +8,6 @@ pushes nothing.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -68,6 +67,10 @@ class Controller:
         self.scraper = scraper or self._new_scraper(config)
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
         self.sources: dict[str, TelemetrySource] = {}
+        self._retired: list[TelemetrySource | Scraper] = []  # replaced, to be closed
+        self._closing: set[asyncio.Task[None]] = set()
+        self._series: dict[str, dict[str, set[str]]] = {}  # cluster -> address -> signals
+        self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self.apply_config(config)
 
     @staticmethod
@@ -75,9 +78,14 @@ class Controller:
         return Scraper(config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
 
     def apply_config(self, config: Config) -> None:
-        """Switch to a new (already validated) config; listener and routes are built here once."""
+        """Switch to a new (already validated) config; listener and routes are built here once.
+        Sources whose settings did not change are kept (a discovery change keeps its HTTP
+        sessions and held DCGM reads); replaced ones are closed. Everything kept per endpoint
+        or pool (telemetry, metric series, stats) is dropped for what is gone."""
+        old = getattr(self, "config", None)
         self.config = config
-        self.sources = build_sources(config, self.scraper, needs_slo(config))
+        self.store.hold_seconds = config.telemetry.stale_after_seconds
+        self.sources = self._keep_sources(old, config)
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
         self._routes = build_route_config(config, self.canary_percent)
@@ -85,10 +93,77 @@ class Controller:
         self.store.forget(addresses)
         self.slo.forget(addresses)
         self.latency.forget(addresses)
+        self.latency.history.window_s = config.telemetry.latency_window_seconds
         self.rollouts.apply_config(config)
         self.autoscaler.apply_config(config)
-        names = {name for pool in config.pools for name, _, _ in pool.clusters()}
-        self.weights = {k: v for k, v in self.weights.items() if k in names}
+        members = {name: {ep.address for ep in endpoints}
+                   for pool in config.pools for name, _, endpoints in pool.clusters()}
+        self.weights = {k: v for k, v in self.weights.items() if k in members}
+        self._forget_series(members)
+        self._schedule_close()
+
+    def _keep_sources(self, old: Config | None, config: Config) -> dict[str, TelemetrySource]:
+        """The sources ``config`` needs, reusing every current one whose settings match."""
+        fresh = build_sources(config, self.scraper, needs_slo(config))
+        same = old is not None and old.telemetry == config.telemetry \
+            and needs_slo(old) == needs_slo(config)
+        kept: dict[str, TelemetrySource] = {}
+        for kind, source in fresh.items():
+            current = self.sources.get(kind)
+            if same and current is not None and getattr(current, "scraper", self.scraper) \
+                    is self.scraper:
+                kept[kind] = current
+            else:
+                kept[kind] = source
+        for kind, source in self.sources.items():
+            if kept.get(kind) is not source and kind != "scrape":  # scrape: the shared scraper
+                self._retired.append(source)
+        return kept
+
+    def _schedule_close(self) -> None:
+        """Close retired sources in the background (apply_config runs in sync callbacks)."""
+        if not self._retired:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop yet: reload() or close() closes them
+            return
+        task = loop.create_task(self._close_retired())
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+
+    async def _close_retired(self) -> None:
+        retired, self._retired = self._retired, []
+        for source in retired:
+            try:
+                await source.close()
+            except Exception:  # noqa: BLE001 - one failing close must not keep the others open
+                log.exception("closing a retired telemetry source failed")
+
+    def _forget_series(self, members: Mapping[str, set[str]]) -> None:
+        """Remove metric series and stats of clusters and endpoints no longer configured."""
+        for cluster in [c for c in self._series if c not in members]:
+            for address in list(self._series[cluster]):
+                self._drop_endpoint(cluster, address)
+            del self._series[cluster]
+            for gauge in (metrics.STALE_ENDPOINTS, metrics.POOL_FAIL_STATIC,
+                          metrics.SCRAPE_ERRORS):
+                gauge.remove(cluster)
+        for cluster, emitted in self._series.items():
+            for address in [a for a in emitted if a not in members[cluster]]:
+                self._drop_endpoint(cluster, address)
+        keys = {f"{cluster}/{address}" for cluster, addresses in members.items()
+                for address in addresses}
+        for table in (self.stats.stale, self.stats.problems):
+            for key in [k for k in table if k not in keys]:
+                del table[key]
+
+    def _drop_endpoint(self, cluster: str, address: str) -> None:
+        signals = self._series[cluster].pop(address, set())
+        metrics.ENDPOINT_WEIGHT.remove(cluster, address)
+        metrics.ENDPOINT_STALE.remove(cluster, address)
+        for signal in signals:
+            metrics.ENDPOINT_SIGNAL.remove(cluster, address, signal)
 
     def set_canary_percent(self, percent: Mapping[str, float]) -> None:
         """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
@@ -97,14 +172,18 @@ class Controller:
             self._routes = build_route_config(self.config, self.canary_percent)
 
     async def reload(self, config: Config) -> None:
-        """Apply a new validated config and publish at once (telemetry settings included)."""
-        old_sources = [s for k, s in self.sources.items() if k != "scrape"]
-        if self._own_scraper:
-            old, self.scraper = self.scraper, self._new_scraper(config)
-            await old.close()
-        for source in old_sources:
-            await source.close()
+        """Apply a new validated config and publish at once (telemetry settings included;
+        the tick interval from the next tick on)."""
+        old = self.config.telemetry
+        scraping = (old.scrape_timeout, old.max_concurrency)
+        new = (config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
+        if self._own_scraper and scraping != new:
+            self._retired.append(self.scraper)
+            self.scraper = self._new_scraper(config)
         self.apply_config(config)
+        await self._close_retired()
+        if config.telemetry.interval_seconds != old.interval_seconds:
+            self._replan.set()
         self.ingest({})
         self.publish()
 
@@ -161,7 +240,15 @@ class Controller:
 
     def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
         stale_count = 0
+        emitted = self._series.setdefault(pool, {})
+        for address in [a for a in emitted if a not in weights.endpoints]:
+            self._drop_endpoint(pool, address)
         for address, ew in weights.endpoints.items():
+            signals = emitted.setdefault(address, set())
+            for gone in [name for name in signals if name not in ew.signals]:
+                metrics.ENDPOINT_SIGNAL.remove(pool, address, gone)
+                signals.discard(gone)
+            signals.update(ew.signals)
             key = f"{pool}/{address}"
             if self.stats.stale.get(key, False) != ew.stale:
                 error = results[address].error if address in results else None
@@ -235,21 +322,38 @@ class Controller:
 
     async def run(self, stop: asyncio.Event) -> None:
         """Tick on a fixed schedule until `stop` is set. A failing tick is logged, not fatal."""
-        interval = self.config.telemetry.interval_seconds
         deadline = time.monotonic()
         while not stop.is_set():
             try:
                 await self.tick()
             except Exception:  # noqa: BLE001 - the loop must survive any single tick
                 log.exception("telemetry tick failed")
-            deadline = max(deadline + interval, time.monotonic())
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=deadline - time.monotonic())
+            base = deadline
+            while True:  # re-planned when a reload changes the interval mid-wait
+                interval = self.config.telemetry.interval_seconds
+                deadline = max(base + interval, time.monotonic())
+                if not await self._pause(stop, deadline):
+                    break
+
+    async def _pause(self, stop: asyncio.Event, deadline: float) -> bool:
+        """Wait until ``deadline`` or ``stop``; True when a reload changed the interval."""
+        self._replan.clear()
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._replan.wait())]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, deadline - time.monotonic()),
+                               return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in waits:
+                waiter.cancel()
+        return self._replan.is_set() and not stop.is_set()
 
     async def close(self) -> None:
         for kind, source in self.sources.items():
             if kind != "scrape" or self._own_scraper:
                 await source.close()
+        await self._close_retired()
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def needs_slo(config: Config) -> bool:

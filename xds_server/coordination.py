@@ -157,6 +157,7 @@ class CoordinatedRollouts(Rollouts):
     def _adopt(self, name: str, state: RolloutState) -> bool:
         """Take a state another replica wrote: route by it, announce nothing."""
         ROLLOUT_PERCENT.labels(pool=name).set(state.percent)
+        self._gauged.setdefault(name, set())  # the series goes when the pool does
         changed = self.states.get(name) != state
         self.states[name] = state
         return changed

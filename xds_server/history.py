@@ -42,6 +42,14 @@ class WeightHistory:
         """Enough points to cover `window_seconds` at one point per tick."""
         return cls(max(1, math.ceil(window_seconds / interval_seconds)))
 
+    def resize(self, max_points: int) -> None:
+        """Hold at most ``max_points`` from now on (the newest are kept)."""
+        if max_points < 1:
+            raise ValueError(f"max_points must be >= 1, got {max_points}")
+        if max_points != self.max_points:
+            self.max_points = max_points
+            self._points = deque(self._points, maxlen=max_points)
+
     def __len__(self) -> int:
         return len(self._points)
 

@@ -23,9 +23,15 @@ ROLLOUT_EVENTS = Counter("trimtab_rollout_events_total",
                          ["pool", "kind"])
 
 
+class RolloutPersistError(RuntimeError):
+    """The state file could not be written: the command was not applied."""
+
+
 class Rollouts:
     def __init__(self, config: Config, state_file: Path | None) -> None:
         self.state_file = state_file
+        self._unsaved = False  # a tick's change the state file does not hold yet
+        self._gauged: dict[str, set[str]] = {}  # pool -> event kinds with a metric series
         self.drive = config.rollouts.drive
         self.states: dict[str, RolloutState] = (
             rollout.load_state(state_file) if state_file is not None else {})
@@ -38,6 +44,10 @@ class Rollouts:
         for name in [n for n in self.states if n not in self.pools]:
             log.info("rollout for %s dropped: the pool no longer has versions", name)
             del self.states[name]
+        for name in [n for n in self._gauged if n not in self.pools]:
+            ROLLOUT_PERCENT.remove(name)  # a pool gone leaves no series behind
+            for kind in self._gauged.pop(name):
+                ROLLOUT_EVENTS.remove(name, kind)
 
     def percents(self) -> dict[str, float]:
         return {name: self.states[name].percent for name in self.pools if name in self.states}
@@ -56,8 +66,12 @@ class Rollouts:
             new = rollout.advance(state, policy, tracker.stats(stable_addresses, since),
                                   tracker.stats(canary_addresses, since), now)
             changed |= self._store(name, state if name in self.states else None, new)
-        if changed:
-            self.save()
+        if changed or self._unsaved:
+            try:
+                self.save()
+            except RolloutPersistError as exc:  # the rollout goes on; retried next tick
+                self._unsaved = True
+                log.error("rollout state not saved (retrying next tick): %s", exc)
         return changed
 
     def _follow(self) -> bool:
@@ -75,27 +89,40 @@ class Rollouts:
         return changed
 
     def command(self, name: str, action: str, now: float) -> RolloutState:
-        """Operator control. Raises KeyError (unknown pool) or RolloutCommandError."""
+        """Operator control: persisted first, then applied. Raises KeyError (unknown pool),
+        RolloutCommandError, or RolloutPersistError (the state file cannot be written; then
+        nothing changed, in memory or on disk)."""
         pool = self.pools[name]
         state = self.states.get(name) or rollout.start(name, pool.rollout or _default_policy(), now)
         new = rollout.command(state, action, pool.rollout or _default_policy(), now)
+        self._save({**self.states, name: new})
         self._store(name, state, new)
-        self.save()
         return new
 
     def _store(self, name: str, old: RolloutState | None, new: RolloutState) -> bool:
         ROLLOUT_PERCENT.labels(pool=name).set(new.percent)
+        kinds = self._gauged.setdefault(name, set())
         if old is not None and old == new:
             return False
         for event in rollout.new_events(old, new):
+            kinds.add(event.kind)
             ROLLOUT_EVENTS.labels(pool=name, kind=event.kind).inc()
             log.info("rollout %s: %s at %g%%: %s", name, event.kind, event.percent, event.reason)
         self.states[name] = new
         return True
 
     def save(self) -> None:
-        if self.state_file is not None:
-            rollout.save_state(self.state_file, self.states)
+        self._save(self.states)
+        self._unsaved = False
+
+    def _save(self, states: Mapping[str, RolloutState]) -> None:
+        if self.state_file is None:
+            return
+        try:
+            rollout.save_state(self.state_file, states)
+        except OSError as exc:
+            raise RolloutPersistError(f"cannot write the rollout state file "
+                                      f"{self.state_file}: {exc.strerror or exc}") from None
 
     # -- the interface the controller and the admin API use (coordination.py overrides) --
 

@@ -221,26 +221,79 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-class TelemetryStore:
-    """The latest :class:`Observation` per endpoint address, and when each was first seen."""
+# Load signals a policy mixes: when a read rejects one the server reports (a problem line
+# "<name>: ..."), the store holds its last good value, then counts it saturated.
+LOAD_SIGNALS = ("kv_usage", "gpu_mem_pct", "queue", "itl_ms")
+_REJECTED_AS = {"itl": "itl_ms"}  # the ITL histogram feeds itl_ms
 
-    def __init__(self) -> None:
+
+def rejected_load_signals(problems: Iterable[str], signals: Mapping[str, float]
+                          ) -> tuple[str, ...]:
+    """Load signals named by ``problems`` (``"<signal>: ..."``) and absent from ``signals``."""
+    found: list[str] = []
+    for line in problems:
+        head = line.split(":", 1)[0].strip()
+        name = _REJECTED_AS.get(head, head)
+        if name in LOAD_SIGNALS and name not in signals and name not in found:
+            if name == "itl_ms" and "itl_sum" in signals:
+                continue
+            found.append(name)
+    return tuple(found)
+
+
+class TelemetryStore:
+    """The latest :class:`Observation` per endpoint address, and when each was first seen.
+
+    A load signal that a read rejects (NaN, negative, out of range: named in its problems)
+    keeps its last good value for up to ``hold_seconds``, then counts as saturated (in
+    ``Sample.saturated``) until a read carries it valid again. A signal a server never
+    reports is simply absent (the policy renormalises over the rest).
+    """
+
+    def __init__(self, hold_seconds: float = 6.0) -> None:
+        self.hold_seconds = hold_seconds
         self._observations: dict[str, Observation] = {}
         self._first_seen: dict[str, float] = {}
+        self._good: dict[str, dict[str, tuple[float, float | None]]] = {}  # signal -> (at, v)
 
     def record(self, address: str, result: ScrapeResult) -> None:
         """Success replaces the sample; failure keeps the last good sample and sets error."""
         first_seen = self._first_seen.setdefault(address, result.collected_at)
+        prior = self._observations.get(address)
         if result.error is None and result.signals is not None:
-            sample = Sample(collected_at=result.collected_at, signals=dict(result.signals),
-                            problems=tuple(result.problems))
+            sample = self._sample(address, result)
             self._observations[address] = Observation(sample, None, first_seen)
             return
-        prior = self._observations.get(address)
         error = result.error if result.error is not None else "scrape: no signals"
+        failures = prior.failures + 1 if prior is not None else 1
         self._observations[address] = Observation(
-            prior.sample if prior is not None else None, error, first_seen
+            prior.sample if prior is not None else None, error, first_seen, failures
         )
+
+    def _sample(self, address: str, result: ScrapeResult) -> Sample:
+        """The read's signals, a rejected load signal held or marked saturated."""
+        signals = dict(result.signals or {})
+        at = result.collected_at
+        good = self._good.setdefault(address, {})
+        for name in LOAD_SIGNALS:
+            if name in signals:
+                good[name] = (at, signals[name])
+            elif name == "itl_ms" and "itl_sum" in signals:
+                good[name] = (at, None)  # a good histogram: the latency window has it
+        problems = list(result.problems)
+        saturated: list[str] = []
+        for name in rejected_load_signals(result.problems, signals):
+            last = good.get(name)
+            if last is not None and at - last[0] <= self.hold_seconds:
+                if last[1] is not None:
+                    signals[name] = last[1]
+                problems.append(f"{name}: holding the last good value for at most "
+                                f"{self.hold_seconds:g}s")
+            else:
+                saturated.append(name)
+                problems.append(f"{name}: counted as saturated until it is valid again")
+        return Sample(collected_at=at, signals=signals, problems=tuple(problems),
+                      saturated=tuple(saturated))
 
     def seen(self, addresses: Iterable[str], at: float) -> None:
         """Note ``at`` as the first-seen time of every address not seen before."""
@@ -258,7 +311,6 @@ class TelemetryStore:
 
     def forget(self, keep: set[str]) -> None:
         """Drop every endpoint not in ``keep``."""
-        for address in [a for a in self._observations if a not in keep]:
-            del self._observations[address]
-        for address in [a for a in self._first_seen if a not in keep]:
-            del self._first_seen[address]
+        for table in (self._observations, self._first_seen, self._good):
+            for address in [a for a in table if a not in keep]:
+                del table[address]

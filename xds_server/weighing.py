@@ -3,7 +3,10 @@
 Adds what the policies leave to the caller: the windowed decode latency (ITL) from histogram
 deltas, the configured capacity, the warm-up weight of an endpoint whose telemetry has not
 arrived yet (only while it is younger than ``stale_after_seconds`` since first seen), and the
-flags of rejected inputs (see :mod:`weight_calculator.adjust`).
+flags of rejected inputs (see :mod:`weight_calculator.adjust`); and, for every policy, what
+losing telemetry means (:mod:`weight_calculator.loss`): staleness in missed ticks, a pool-wide
+loss held fail-static at the weights from before it, and a garbled load signal counted as
+saturated once its last good value is older than ``stale_after_seconds``.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from weight_calculator.composite import (
     compute_composite_weights,
 )
 from weight_calculator.gpu_memory import compute_pool_weights
+from weight_calculator.loss import hold_on_loss, on_tick_clock, restore_stamps, saturate
 from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
 
 from .adapters import HistogramHistory, histogram_from_signals
@@ -67,12 +71,33 @@ def _composite_input(endpoint: EndpointConfig, obs: Observation, itl: float | No
                          endpoint.capacity)
 
 
+def saturated_values(config: Config, pool: PoolConfig) -> dict[str, float]:
+    """The raw value of each load signal that normalises to 1.0 (fully loaded)."""
+    composite = config.weights.composite
+    slo = pool.itl_slo_ms if pool.itl_slo_ms is not None else composite.itl_slo_ms
+    return {"kv_usage": 1.0, "gpu_mem_pct": 100.0, "queue": float(composite.queue_cap),
+            "itl_ms": 2.0 * slo}
+
+
+def policy_observations(config: Config, pool: PoolConfig,
+                        observations: Mapping[str, Observation], now: float,
+                        previous: PoolWeights | None = None) -> dict[str, Observation]:
+    """What every policy is given: saturated signals filled in, ages in missed ticks (less
+    those excused by a pool-wide loss, see ``previous.excused``)."""
+    telemetry = config.telemetry
+    filled = saturate(observations, saturated_values(config, pool))
+    return on_tick_clock(filled, telemetry.interval_seconds, telemetry.stale_after_seconds, now,
+                         previous.excused if previous is not None else None)
+
+
 def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
                     observations: Mapping[str, Observation], latency: LatencyWindow,
                     now: float, previous: PoolWeights | None) -> PoolWeights:
     """The pool policy's weights, then warm-up (endpoints younger than stale_after with no
     telemetry yet) and the flags of rejected inputs."""
     prior = without_warm_up(previous)
+    read, observations = observations, policy_observations(config, pool, observations, now,
+                                                           prior)
     if config.weights.policy == "composite":
         inputs = {ep.address: _composite_input(ep, observations[ep.address],
                                                latency.itl_ms(ep.address, now))
@@ -80,6 +105,7 @@ def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[Endpoi
         weights = compute_composite_weights(inputs, composite_policy(config, pool), now, prior)
     else:
         weights = compute_pool_weights(observations, gpu_memory_policy(config), now, prior)
+    weights = restore_stamps(hold_on_loss(weights, observations, prior), read)
     warmup = min(pool.warmup_weight, config.weights.max_weight)
     weights = warm_up(weights, observations, warmup, config.telemetry.stale_after_seconds, now)
     return flag_problems(weights, observations)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import random
 import signal
 import threading
 import time
@@ -191,24 +192,34 @@ def test_pool_without_telemetry_is_fail_static_and_envoy_keeps_its_weights(stack
     fail_static_within = STALE_AFTER_S + 2 * INTERVAL_S + SLACK_S
     with Traffic(stack.listener_port, MODELS["alpha"]) as traffic:
         traffic.wait_count(WARM_REQUESTS // 2)
-        # Switch every page just after a tick, so that all three lose telemetry in the same
-        # tick: one that lost it a tick earlier would pass stale_after first and get weight 1
-        # before the pool as a whole goes fail-static (that is correct, but not this test).
-        stack.trimtab.wait_ticks(1)
+        # Lose every page at a random instant of the tick: endpoints read before it in that
+        # tick lose telemetry one tick later than the others, and none may drop to weight 1.
+        time.sleep(random.uniform(0.0, INTERVAL_S))
         lost_at = time.monotonic()
         modes: tuple[MetricsMode, ...] = ("garbage", "error", "hang")
         for index, mode in zip(stack.members["alpha"], modes, strict=True):
             stack.fleet.set_metrics_mode(index, mode)
+        weights_seen: list[dict[str, int]] = []
+
+        def alpha_stale(doc: dict[str, Any]) -> bool:
+            weights_seen.append({a: ep["weight"] for a, ep in doc["pools"]["alpha"].items()})
+            return _alpha_all_stale(doc)
+
         wait_for(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S,
-                 "every alpha endpoint stale", check=_alpha_all_stale)
+                 "every alpha endpoint stale", check=alpha_stale)
         stack.set_pcts("alpha", (90.0, 90.0, 90.0))  # a change trimtab cannot see now
-        document = wait_for(stack.trimtab.weights, fail_static_within, "alpha fail-static",
+        # every read of the pool fails: fail-static at once, long before stale_after
+        document = wait_for(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S, "alpha fail-static",
                             check=lambda doc: doc["fail_static_pools"] == ["alpha"])
         static_at = time.monotonic()
-        assert static_at - lost_at >= STALE_AFTER_S - 2 * INTERVAL_S  # once samples are too old
+        assert all(seen == held for seen in weights_seen), weights_seen
         for address, endpoint in document["pools"]["alpha"].items():
             assert endpoint["weight"] == held[address], (address, endpoint)
             assert endpoint["stale"] and "fail-static" in endpoint["reason"], endpoint
+        # and it holds well past stale_after, the weights from before the loss included
+        time.sleep(max(0.0, lost_at + fail_static_within - time.monotonic()))
+        assert stack.trimtab.weights()["fail_static_pools"] == ["alpha"]
+        assert stack.envoy_weights("alpha") == held
         assert stack.trimtab.metric("trimtab_pool_fail_static", pool="alpha") == 1.0
         assert stack.trimtab.metric("trimtab_pool_fail_static", pool="beta") == 0.0
         stack.trimtab.wait_ticks(3)
