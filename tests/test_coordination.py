@@ -24,11 +24,19 @@ from xds_server.config import ConfigError, parse_config
 from xds_server.controller import Controller
 from xds_server.coordination import CoordinatedRollouts, warn_deprecated_drive
 from xds_server.leader import LeaderState, LeaseElector, coordination_api_client
-from xds_server.rollout import ABORTED, PROGRESSING, PROMOTED, RolloutCommandError, from_json
+from xds_server.rollout import (
+    ABORTED,
+    PROGRESSING,
+    PROMOTED,
+    RolloutCommandError,
+    from_json,
+    load_state,
+)
 from xds_server.rollout_store import (
     STATE_KEY,
     WRITER_ANNOTATION,
     ConfigMapStateStore,
+    FileStateStore,
     StateConflict,
 )
 
@@ -366,3 +374,17 @@ def test_a_reload_that_changes_coordination_is_refused_naming_the_key() -> None:
     data["coordination"]["kubernetes"]["lease_seconds"] = 30
     assert restart_only_changes(old, parse_config(data)) == [
         "coordination.kubernetes.lease_seconds"]
+
+
+def test_the_file_backend_behind_the_same_interface(tmp_path) -> None:
+    """Embedded mode keeps the state file; CoordinatedRollouts works over it as well."""
+    store = FileStateStore(tmp_path / "rollouts.json")
+    assert store.load().states == {}
+    leader = FakeLeader("solo", leading=True)
+    rollouts = CoordinatedRollouts(config(), store, leader)
+    tick(rollouts, 0.0)
+    tick(rollouts, 10.0)
+    assert load_state(tmp_path / "rollouts.json")["p"].percent == 20
+    assert store.load().states == rollouts.states
+    (tmp_path / "rollouts.json").write_text("{")
+    assert tick(rollouts, 20.0) is False and rollouts.states["p"].percent == 20

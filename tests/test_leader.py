@@ -3,6 +3,7 @@ timeouts, partitions). Most tests step the elector by hand with a fake monotonic
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 
 from tests.support.fake_kube import FakeKube
 from xds_server.envoy_process import free_port
-from xds_server.leader import LeaseElector, coordination_api_client
+from xds_server.leader import LEADER, LeaseElector, coordination_api_client
 
 NS, NAME = "trimtab", "trimtab-leader"
 LEASE_S, RENEW_S, DEADLINE_S = 3, 0.5, 2.0
@@ -265,3 +266,34 @@ def test_a_partitioned_leader_stops_leading_before_another_can_take_the_lease(
     assert a_stopped < b_leads
     assert a_stopped - cut_at <= 1.2 + 0.05  # within the renew deadline of its last renewal
     assert b_leads - cut_at <= 2 + 0.2 + 0.5  # lease_seconds + one retry (+ request time)
+
+
+def test_the_loop_learns_of_a_lost_lease_at_the_deadline_though_the_thread_is_stuck(
+        kube: FakeKube) -> None:
+    """The thread hangs in a request to a black-holed API; the loop's timer still flips
+    `trimtab_leader` to 0 and reports the loss at the renew deadline."""
+    port = kube.add_port()
+    changes: list[tuple[float, bool]] = []
+    a = elector(kube.host_on(port), "stuck", lease_seconds=4, renew_seconds=0.2,
+                renew_deadline=1.0, request_timeout=3.0,
+                on_change=lambda state: changes.append((time.monotonic(), state.leading)))
+
+    async def scenario() -> tuple[float, float]:
+        a.start()
+        while not a.is_leader():
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert LEADER.labels(identity="stuck")._value.get() == 1  # noqa: SLF001
+        kube.partition(port)
+        cut_at = time.monotonic()
+        while LEADER.labels(identity="stuck")._value.get() == 1:  # noqa: SLF001
+            await asyncio.sleep(0.01)
+        return cut_at, time.monotonic()
+
+    try:
+        cut_at, flipped_at = asyncio.run(scenario())
+    finally:
+        kube.partition(port, cut=False)
+        a.stop(release=False)
+    assert flipped_at - cut_at <= 1.0 + 0.1  # the deadline, not the 3 s request timeout
+    assert [leading for _, leading in changes] == [True, False]

@@ -207,10 +207,16 @@ def test_leader_killed_mid_rollout_a_follower_resumes_every_step_exactly_once(tm
                 (new,) = wait_for(lambda: _leaders(replicas), LEASE_S + TICK_S + 5,
                                   "a follower leading", check=lambda found: len(found) == 1)
                 took = time.monotonic() - killed_at
+                follower = next(i for i in range(3) if i not in (leader, new))
+                leading_metric = [replicas[i].metric("trimtab_leader", identity=f"r{i}")
+                                  for i in (new, follower)]
+                held_by = (_leader_doc(replicas[follower]) or {}).get("leader")
                 final = wait_for(lambda: _rollout(replicas[new]), 30, "promotion",
                                  check=lambda s: s is not None and s["phase"] == "promoted")
                 traffic.stop()
                 answered, failed = traffic.counts()
+                lease_holder = kube.get_object("leases", "trimtab-leader",
+                                               "trimtab")["spec"]["holderIdentity"]
             survivors = [r for r in replicas if r.running()]
             for replica in survivors:  # the followers route by the same state
                 wait_for(lambda replica=replica: _rollout(replica), 5, "followers promoted",
@@ -222,6 +228,11 @@ def test_leader_killed_mid_rollout_a_follower_resumes_every_step_exactly_once(tm
         print(f"leader r{leader} killed; r{new} led after {took:.2f}s; "
               f"{sum(answered.values())} requests answered, {failed} failed")
         assert new != leader
+        assert leading_metric == [1.0, 0.0]
+        assert held_by in (f"r{new}", f"r{leader}")  # it may not have seen the takeover yet
+        assert lease_holder == f"r{new}"
+        released = kube.get_object("leases", "trimtab-leader", "trimtab")
+        assert released is not None and "holderIdentity" not in released["spec"]  # SIGTERM
         assert took <= LEASE_S + TICK_S + MEASURE_SLACK_S, took
         assert failed == 0 and sum(answered.values()) > 100, (answered, traffic.failures[:5])
         assert answered[canary] > 0 and answered[stable] > 0
