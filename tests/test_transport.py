@@ -23,14 +23,16 @@ from tests.xds_fixtures import BASE, snapshot
 from xds_server import metrics, transport
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
+from xds_server.protocol import StreamLimits
 from xds_server.snapshot import build_snapshot
 from xds_server.transport import INBOX_LIMIT, Inbox, XdsServicer, start_xds_server
 
 
-async def _with_server(body, channel_options: list[tuple[str, int]] | None = None):
+async def _with_server(body, channel_options: list[tuple[str, int]] | None = None,
+                       limits: StreamLimits | None = None):
     cache = SnapshotCache()
     cache.set_snapshot(snapshot(BASE))
-    servicer = XdsServicer(cache)
+    servicer = XdsServicer(cache, limits=limits)
     server, port = await start_xds_server(servicer, "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options) as channel:
@@ -312,4 +314,5 @@ def test_a_client_that_writes_without_reading_is_held_to_the_inbox_bound():
         assert info.machine.types[T.CLUSTER].acked_version == big.version_info
         assert info.inbox.max_seen == INBOX_LIMIT
         call.cancel()
-    asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)]))
+    asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)],
+                             StreamLimits(max_response_bytes=2 * BIG)))  # one 16 MiB response

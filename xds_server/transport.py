@@ -9,6 +9,11 @@ info line while at most `PER_PUSH_LOG_STREAMS` streams are open; above that, per
 debug and info summarises the pushes per type once per `PushLog` window (1 s), so 1,000 streams
 make a handful of lines per tick, not 1,000.
 
+Limits (`protocol.StreamLimits`, from `xds.limits`): a request naming more resources than
+`max_resource_names` ends its stream with RESOURCE_EXHAUSTED; no response exceeds
+`max_response_bytes` (the machines split pushes into parts, and withhold what cannot fit,
+which is logged here as our error).
+
 Inbound backpressure: a stream holds at most `INBOX_LIMIT` requests read but not yet handled.
 While its `Inbox` is full (the pump is blocked writing to a client that does not read) the
 stream stops reading, so gRPC's flow control pushes back on the client instead of requests
@@ -32,7 +37,19 @@ from envoy.service.discovery.v3 import discovery_pb2
 from . import metrics, type_urls, wire
 from .cache import SnapshotCache
 from .convergence import StreamConvergence
-from .protocol import Ack, DeltaStream, Event, Nack, ProtocolError, Response, SotwStream, StaleNonce
+from .protocol import (
+    Ack,
+    DeltaStream,
+    Event,
+    Nack,
+    ProtocolError,
+    ResourceLimitExceeded,
+    Response,
+    SotwStream,
+    StaleNonce,
+    StreamLimits,
+    Withheld,
+)
 from .security import Denied, StreamAccess, XdsGuard
 
 log = logging.getLogger("trimtab.xds")
@@ -68,6 +85,7 @@ def encode_delta(response: Response) -> bytes:
 
 PER_PUSH_LOG_STREAMS = 64  # above this many open streams, pushes are logged in summary
 INBOX_LIMIT = 64  # requests read from a stream and not yet handled
+WITHHELD_LOGGED = 1024  # (type, version, names) withheld notices remembered, to log each once
 
 
 class Inbox:
@@ -183,7 +201,13 @@ class StreamInfo:
 
     @property
     def node_id(self) -> str:
+        """The node id the stream claimed in its first request (the one it is authorised as)."""
         return self.machine.node.id if self.machine.node is not None else ""
+
+    @property
+    def identities(self) -> list[str]:
+        """The client certificate's SANs (empty in plaintext, or without a guard)."""
+        return list(self.access.identities) if self.access is not None else []
 
 
 class XdsServicer:
@@ -191,9 +215,11 @@ class XdsServicer:
 
     def __init__(self, cache: SnapshotCache,
                  on_event: Callable[[StreamInfo, Event], None] | None = None,
-                 guard: XdsGuard | None = None) -> None:
+                 guard: XdsGuard | None = None, limits: StreamLimits | None = None) -> None:
         self.cache = cache
         self.guard = guard
+        self.limits = limits if limits is not None else StreamLimits()
+        self._withheld_logged: dict[tuple[str, str, tuple[str, ...]], None] = {}
         self.closing = False
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
@@ -227,7 +253,8 @@ class XdsServicer:
     def _handler(self, api: str, service: str, type_url: str | None) -> Callable:
         async def handle(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
             machine: SotwStream | DeltaStream = (
-                SotwStream(type_url) if api == "sotw" else DeltaStream(type_url))
+                SotwStream(type_url, self.limits) if api == "sotw"
+                else DeltaStream(type_url, self.limits))
             info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine,
                               self.guard.open(context) if self.guard is not None else None,
                               convergence=StreamConvergence(self.cache.convergence, api))
@@ -244,6 +271,10 @@ class XdsServicer:
         metrics.STREAMS.labels(api=info.api).inc()
         try:
             await self._pump(info, inbox, wake, reader, context)
+        except ResourceLimitExceeded as exc:
+            log.warning("ending stream from %s (node %r): %s", info.peer, info.node_id, exc)
+            metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ProtocolError as exc:
             log.warning("protocol error from %s (node %r): %s", info.peer, info.node_id, exc)
             metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
@@ -288,19 +319,37 @@ class XdsServicer:
             snapshot = self.cache.snapshot
             if self.guard is not None and info.access is not None:
                 snapshot = self.guard.view(info.access, snapshot)
-            for response in machine.responses(snapshot):
+            responses = machine.responses(snapshot)
+            for notice in machine.take_notices():
+                self._log_withheld(info, notice)
+            for response in responses:
                 await self._send(info, response, context)
+
+    def _log_withheld(self, info: StreamInfo, notice: Withheld) -> None:
+        """Our error, logged once per (type, version, names) however many streams hit it."""
+        key = (notice.type_url, notice.version, notice.names)
+        if key in self._withheld_logged:
+            return
+        self._withheld_logged[key] = None
+        while len(self._withheld_logged) > WITHHELD_LOGGED:
+            del self._withheld_logged[next(iter(self._withheld_logged))]
+        names = ", ".join(notice.names[:5]) + (" and more" if len(notice.names) > 5 else "")
+        log.error("not sending %s %s (version %s) to %r (logged once for every stream): it "
+                  "needs %d bytes, above the %d one response may carry (xds.limits.max_response_bytes "
+                  "less headroom; %s); raise the limit here and the ADS cluster's "
+                  "max_receive_message_length in Envoy's bootstrap",
+                  type_urls.short_name(notice.type_url), names, notice.version, info.node_id,
+                  notice.size, notice.limit,
+                  "a whole-state type cannot be split" if len(notice.names) > 1
+                  else "one resource cannot be split")
 
     def _receive(self, info: StreamInfo, request: object) -> None:
         machine = info.machine
         if self.guard is not None and info.access is not None:
             self.guard.on_request(info.access)
-        had_node = machine.node is not None
         events = machine.receive(request)  # type: ignore[arg-type]
         if self.guard is not None and info.access is not None:
             self.guard.admit(info.access, machine.node)
-        if not had_node and machine.node is not None:
-            machine.rejections = self.cache.rejections_for(machine.node.id)
         for type_url in machine.types.keys() - info.types:
             info.types.add(type_url)
             metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url), api=info.api).inc()
@@ -311,7 +360,8 @@ class XdsServicer:
         kind = type_urls.short_name(event.type_url)
         if isinstance(event, Nack):
             metrics.NACKS.labels(type=kind).inc()
-            log.warning("NACK from node %r for %s nonce %s (rejected %s): %s", info.node_id, kind,
+            log.warning("NACK from node %r (peer %s, identity %s) for %s nonce %s (rejected %s): "
+                        "%s", info.node_id, info.peer, info.identities or "none", kind,
                         event.nonce, dict(event.rejected), event.detail[:2000])
             if info.convergence is not None:
                 info.convergence.nacked(event.nonce)
