@@ -442,3 +442,69 @@ async def _new_stream_gets_current_state(channel: grpc.aio.Channel, api: str,
     with pytest.raises(asyncio.TimeoutError):  # (that NACK rejected the response: a and b)
         await asyncio.wait_for(again.read(), 0.5)
     again.call.cancel()
+
+
+# ---- one client's NACKs never suppress another's config ---------------------------------------
+
+class Impostor:
+    """An ADS client that claims `node` and NACKs every response it gets, on CDS, EDS, LDS
+    and RDS, asking for each type as Envoy does; it keeps its stream open."""
+
+    def __init__(self, channel: grpc.aio.Channel, api: str, node: str) -> None:
+        self.api = api
+        method = "DeltaAggregatedResources" if api == "delta" else "StreamAggregatedResources"
+        self.call = channel.stream_stream(ADS + method)()
+        self.node = node
+        self.nacked: Counter[str] = Counter()
+
+    def _request(self, type_url: str, names: list[str], nonce: str = "",
+                 error: str | None = None) -> bytes:
+        status = status_pb2.Status(code=3, message=error) if error else None
+        node = {"id": self.node} if not nonce and type_url == T.CLUSTER else None
+        if self.api == "delta":
+            return DeltaDiscoveryRequest(node=node, type_url=type_url, response_nonce=nonce,
+                                         resource_names_subscribe=[] if nonce else names,
+                                         error_detail=status).SerializeToString()
+        return DiscoveryRequest(node=node, type_url=type_url, resource_names=names,
+                                response_nonce=nonce, error_detail=status).SerializeToString()
+
+    async def run(self, snap: Snapshot) -> None:
+        wanted = {T.CLUSTER: [], T.ENDPOINT: sorted(snap.of_type(T.ENDPOINT)), T.LISTENER: [],
+                  T.ROUTE: sorted(snap.of_type(T.ROUTE))}
+        for type_url, names in wanted.items():
+            await self.call.write(self._request(type_url, names))
+        while True:
+            raw = await self.call.read()
+            if raw is grpc.aio.EOF:
+                return
+            if self.api == "delta":
+                resp: DiscoveryResponse | DeltaDiscoveryResponse = DeltaDiscoveryResponse.FromString(raw)
+            else:
+                resp = DiscoveryResponse.FromString(raw)
+            self.nacked[T.short_name(resp.type_url)] += 1
+            await self.call.write(self._request(resp.type_url, wanted[resp.type_url],
+                                                resp.nonce, "rejected by an impostor"))
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_an_impostor_nacking_everything_as_victim_does_not_deny_victim_its_config(api):
+    async def body() -> None:
+        cache = SnapshotCache()
+        cache.set_snapshot(_pool_snapshot(3, 2))
+        async with serving(cache) as (servicer, target), \
+                grpc.aio.insecure_channel(target) as channel:
+            impostor = Impostor(channel, api, "victim")
+            attack = asyncio.create_task(impostor.run(current(cache)))
+            await eventually(lambda: set(impostor.nacked) == {"cds", "eds", "lds", "rds"})
+            tracker, stats = Tracker(), ClientStats("victim", api)
+            tracker.expect(0, cla_keys(current(cache), None))
+            victim = asyncio.create_task(run_client(target, stats, tracker, retry=False))
+            await eventually(lambda: len(stats.done) == 1 or stats.error is not None)
+            assert stats.error is None and stats.got == {T.CLUSTER, T.ENDPOINT, T.LISTENER,
+                                                         T.ROUTE}
+            assert sorted(s.node_id for s in servicer.streams) == ["victim", "victim"]
+            assert dict(impostor.nacked) == {"cds": 1, "eds": 1, "lds": 1, "rds": 1}  # once each
+            victim.cancel()
+            attack.cancel()
+
+    asyncio.run(body())
