@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
+import tracemalloc
 
 import grpc
 import pytest
@@ -316,3 +318,69 @@ def test_a_client_that_writes_without_reading_is_held_to_the_inbox_bound():
         call.cancel()
     asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)],
                              StreamLimits(max_response_bytes=2 * BIG)))  # one 16 MiB response
+
+
+# ---- limits: names per subscription, memory of closed streams -------------------------------
+
+ADS_SOTW = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+ADS_DELTA = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+
+
+def _made_up(count: int, tag: str = "") -> list[str]:
+    return [f"made-up-{tag}{i:07d}" for i in range(count)]
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_request_naming_more_than_max_resource_names_ends_the_stream_resource_exhausted(api):
+    async def body(channel, cache, servicer):
+        if api == "sotw":
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=_made_up(101)))
+        else:
+            call = channel.stream_stream(
+                ADS_DELTA, request_serializer=DeltaDiscoveryRequest.SerializeToString,
+                response_deserializer=DeltaDiscoveryResponse.FromString)()
+            await call.write(DeltaDiscoveryRequest(type_url=T.ENDPOINT,
+                                                   resource_names_subscribe=_made_up(60)))
+            await call.write(DeltaDiscoveryRequest(type_url=T.ENDPOINT,
+                                                   resource_names_subscribe=_made_up(41, "x")))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "101 eds resource names" in (info.value.details() or "")
+        assert "xds.limits.max_resource_names" in (info.value.details() or "")
+        await _until(lambda: not servicer.streams)
+    asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=100)))
+
+
+def test_a_closed_stream_leaves_nothing_of_its_subscription_behind():
+    """A stream that subscribed EDS to 100,000 made-up names holds them while it is open; once
+    it closes, nothing of them stays (the subset memo keys only names the snapshot has)."""
+    names = _made_up(100_000)
+
+    async def body(channel, cache, servicer):
+        request = DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", *names])
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(request)
+            first = await asyncio.wait_for(call.read(), 5)
+            assert [ClusterLoadAssignment.FromString(a.value).cluster_name
+                    for a in first.resources] == ["a"]
+            [info] = servicer.streams
+            assert len(info.machine.types[T.ENDPOINT].names) == 100_001
+            del info
+            held = tracemalloc.get_traced_memory()[0] - before
+            call.cancel()
+            await _until(lambda: not servicer.streams)
+            gc.collect()
+            left = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        memo = cache.snapshot.subset_memo
+        assert len(memo) == 1 and memo.bytes < 2_000  # {a} only
+        assert held > 8_000_000 and left < 1_000_000, (held, left)
+    asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=200_000)))
