@@ -27,7 +27,14 @@ from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
 from xds_server.protocol import StreamLimits
 from xds_server.snapshot import build_snapshot
-from xds_server.transport import INBOX_LIMIT, Inbox, XdsServicer, start_xds_server
+from xds_server.transport import (
+    INBOX_LIMIT,
+    HeapTrimmer,
+    Inbox,
+    XdsServicer,
+    held_names,
+    start_xds_server,
+)
 
 
 async def _with_server(body, channel_options: list[tuple[str, int]] | None = None,
@@ -384,3 +391,24 @@ def test_a_closed_stream_leaves_nothing_of_its_subscription_behind():
         assert len(memo) == 1 and memo.bytes < 2_000  # {a} only
         assert held > 8_000_000 and left < 1_000_000, (held, left)
     asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=200_000)))
+
+
+def test_the_heap_is_trimmed_once_after_streams_holding_many_names_close():
+    calls: list[int] = []
+
+    async def body():
+        trimmer = HeapTrimmer(min_names=1000, delay_s=0.05, trim=lambda pad: calls.append(pad) or 1)
+        trimmer.closed(400)
+        trimmer.closed(500)  # 900 names so far: not worth a trim
+        await asyncio.sleep(0.1)
+        assert calls == [] and trimmer.trims == 0
+        for _ in range(5):  # closes in a burst share one trim
+            trimmer.closed(300)
+        await _until(lambda: trimmer.trims == 1)
+        await asyncio.sleep(0.1)
+        assert calls == [0] and trimmer.trims == 1
+        machine = transport.SotwStream()
+        machine.receive(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", "b", "c"]))
+        machine.responses(snapshot(BASE))
+        assert held_names(machine) == 3 + 2  # subscribed, and sent
+    asyncio.run(body())

@@ -407,8 +407,10 @@ class SotwStream(_Stream):
         if st is not None and nonce and nonce != st.last_nonce:
             return [StaleNonce(type_url, nonce)]
         first = st is None
-        names = set(request.resource_names)
-        names.discard(WILDCARD)
+        names = frozenset(request.resource_names)
+        wildcard = WILDCARD in names
+        if wildcard:
+            names = names - {WILDCARD}
         self._check_names(type_url, len(names))
         if st is None:
             st = self.types[type_url] = TypeState(type_url)
@@ -416,20 +418,19 @@ class SotwStream(_Stream):
         if nonce and nonce == st.pending_nonce:
             error = request.error_detail if request.HasField("error_detail") else None
             events.append(self._settle(st, nonce, request.version_info, error))
-        events += self._subscribe(st, request, names)
+        events += self._subscribe(st, request, names, wildcard)
         if first or not nonce:
             self._initial(st, request.version_info)
         return events
 
     def _subscribe(self, st: TypeState, request: discovery_pb2.DiscoveryRequest,
-                   names: set[str]) -> list[Event]:
-        wildcard = (WILDCARD in request.resource_names
-                    or (not names and st.type_url in type_urls.FULL_STATE_TYPES))
+                   names: frozenset[str], wildcard: bool) -> list[Event]:
+        wildcard = wildcard or (not names and st.type_url in type_urls.FULL_STATE_TYPES)
         if wildcard == st.wildcard and names == st.names and request.response_nonce:
             return []
         for gone in st.names - names:
             st.sent.pop(gone, None)
-        st.wildcard, st.names, st.evaluated = wildcard, frozenset(names), None
+        st.wildcard, st.names, st.evaluated = wildcard, names, None
         return [Subscription(st.type_url, wildcard, st.names)]
 
     def _initial(self, st: TypeState, client_version: str) -> None:

@@ -14,6 +14,10 @@ Limits (`protocol.StreamLimits`, from `xds.limits`): a request naming more resou
 `max_response_bytes` (the machines split pushes into parts, and withhold what cannot fit,
 which is logged here as our error).
 
+Memory: what a stream subscribed to is held by its machine only, and freed when it closes. After
+streams that held many names close, `HeapTrimmer` hands the freed heap back to the OS (glibc
+keeps freed small blocks otherwise, and RSS would stay at its peak).
+
 Inbound backpressure: a stream holds at most `INBOX_LIMIT` requests read but not yet handled.
 While its `Inbox` is full (the pump is blocked writing to a client that does not read) the
 stream stops reading, so gRPC's flow control pushes back on the client instead of requests
@@ -23,6 +27,8 @@ piling up in memory.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 from collections import deque
@@ -116,6 +122,65 @@ class Inbox:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+TRIM_AFTER_NAMES = 10_000  # names held by streams closed since the last trim that call for one
+TRIM_DELAY_S = 0.5  # closes within this long share one trim
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim  # type: ignore[no-any-return]
+
+
+class HeapTrimmer:
+    """Returns freed heap memory to the OS once streams holding at least `min_names`
+    subscribed or sent names (together) have closed: at most one trim per `delay_s`, run in a
+    worker thread (ctypes releases the GIL), so serving never waits for it."""
+
+    def __init__(self, min_names: int = TRIM_AFTER_NAMES, delay_s: float = TRIM_DELAY_S,
+                 trim: Callable[[int], int] | None = None) -> None:
+        self.min_names = min_names
+        self.delay_s = delay_s
+        self.trims = 0  # completed
+        self._trim = trim if trim is not None else _load_malloc_trim()
+        self._pending = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def closed(self, names: int) -> None:
+        """A stream that held `names` names has ended."""
+        self._pending += names
+        if self._trim is None or self._timer is not None or self._pending < self.min_names:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.delay_s, self._start, loop)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer, self._pending = None, 0
+        loop.run_in_executor(None, self._run).add_done_callback(self._done)
+
+    def _run(self) -> float:
+        started = time.perf_counter()
+        assert self._trim is not None
+        self._trim(0)
+        return time.perf_counter() - started
+
+    def _done(self, future: asyncio.Future) -> None:
+        self.trims += 1
+        if future.exception() is None:
+            log.debug("returned freed heap memory to the OS in %.3f s", future.result())
+
+
+def held_names(machine: SotwStream | DeltaStream) -> int:
+    """How many names a stream's machine holds (subscribed and sent), all types together."""
+    return sum(len(st.names) + len(st.sent) for st in machine.types.values())
 
 
 @dataclass(frozen=True)
@@ -219,6 +284,7 @@ class XdsServicer:
         self.cache = cache
         self.guard = guard
         self.limits = limits if limits is not None else StreamLimits()
+        self.heap = HeapTrimmer()
         self._withheld_logged: dict[tuple[str, str, tuple[str, ...]], None] = {}
         self.closing = False
         self.on_event = on_event
@@ -289,6 +355,7 @@ class XdsServicer:
             for type_url in info.types:
                 metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url),
                                              api=info.api).dec()
+            self.heap.closed(held_names(info.machine))
 
     @staticmethod
     async def _read(requests: AsyncIterator, inbox: Inbox, wake: asyncio.Event) -> None:
@@ -316,6 +383,7 @@ class XdsServicer:
                 if request is None:
                     return
                 self._receive(info, request)
+                del request  # a parsed request may be megabytes: do not hold it while waiting
             snapshot = self.cache.snapshot
             if self.guard is not None and info.access is not None:
                 snapshot = self.guard.view(info.access, snapshot)
