@@ -80,7 +80,8 @@ async def _serve(conn: Connection, max_names: int | None) -> None:
             assert cache.snapshot is not None
             heap = getattr(servicer, "heap", None)  # absent before issue 12's fix
             conn.send({"streams": len(servicer.streams), "snapshot": cache.snapshot.version,
-                       "rss_mb": rss_mb(), "trims": heap.trims if heap is not None else None})
+                       "rss_mb": rss_mb(), "trims": heap.trims if heap is not None else None,
+                       "trim_s": heap.last_seconds if heap is not None else None})
     finally:
         await server.stop(None)
 
@@ -165,6 +166,7 @@ def run_round(server: Server, streams: int, names: int, round_no: int) -> dict[s
     return {"round": round_no, "outcomes": sorted(set(outcomes)),
             "rss_open_mb": state_open["rss_mb"], "streams_open": state_open["streams"],
             "rss_closed_mb": closed["rss_mb"], "rss_closed_after_gc_mb": collected["rss_mb"],
+            "trim_s": closed["trim_s"],
             "snapshot": closed["snapshot"]}
 
 
@@ -207,10 +209,12 @@ def main() -> None:
               "default_limit": default_limit_check(args.names)}
     print(f"server RSS at start: {result['start_rss_mb']:.0f} MB; "
           f"{args.streams} streams x {args.names:,} made-up EDS names per round")
-    print(f"{'round':>5} {'open MB':>8} {'closed MB':>9} {'after gc MB':>11}  outcomes")
+    print(f"{'round':>5} {'open MB':>8} {'closed MB':>9} {'after gc MB':>11} {'trim ms':>7}"
+          f"  outcomes")
     for row in result["rounds"]:
+        trim = f"{row['trim_s'] * 1000:.1f}" if row["trim_s"] is not None else "-"
         print(f"{row['round']:>5} {row['rss_open_mb']:>8.0f} {row['rss_closed_mb']:>9.0f} "
-              f"{row['rss_closed_after_gc_mb']:>11.0f}  {', '.join(row['outcomes'])}")
+              f"{row['rss_closed_after_gc_mb']:>11.0f} {trim:>7}  {', '.join(row['outcomes'])}")
     print(f"worst RSS growth after close: {result['worst_growth_after_close_mb']:+.0f} MB "
           f"(target +{TARGET_MB:.0f} MB): {'met' if result['within_target'] else 'NOT met'}; "
           f"snapshot unchanged: {result['snapshot_unchanged']}")

@@ -25,7 +25,7 @@ from tests.xds_fixtures import BASE, snapshot
 from xds_server import metrics, transport
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
-from xds_server.protocol import StreamLimits
+from xds_server.protocol import RESPONSE_HEADROOM, StreamLimits
 from xds_server.snapshot import build_snapshot
 from xds_server.transport import (
     INBOX_LIMIT,
@@ -412,3 +412,27 @@ def test_the_heap_is_trimmed_once_after_streams_holding_many_names_close():
         machine.responses(snapshot(BASE))
         assert held_names(machine) == 3 + 2  # subscribed, and sent
     asyncio.run(body())
+
+
+def test_a_whole_state_too_large_to_send_is_withheld_and_logged_once_as_ours(caplog):
+    """CDS must be sent whole: above max_response_bytes it is not sent (never over the
+    limit), and one error line says so however many streams ask; the streams stay up."""
+    async def body(channel, cache, servicer):
+        calls = []
+        for _ in range(2):
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(DiscoveryRequest(type_url=T.CLUSTER))
+            await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a"]))
+            eds = await asyncio.wait_for(call.read(), 5)
+            assert eds.type_url == T.ENDPOINT  # EDS fits and is sent; CDS is not
+            calls.append(call)
+        await _until(lambda: len(servicer.streams) == 2)
+        assert all(s.machine.types[T.CLUSTER].last_nonce == "" for s in servicer.streams)
+        errors = _messages(caplog, logging.ERROR, "not sending cds")
+        assert len(errors) == 1 and "whole-state type cannot be split" in errors[0]
+        for call in calls:
+            call.cancel()
+    caplog.set_level(logging.ERROR, logger="trimtab.xds")
+    cds = sum(len(r.sotw_field) for r in snapshot(BASE).of_type(T.CLUSTER).values())
+    asyncio.run(_with_server(body, limits=StreamLimits(
+        max_response_bytes=RESPONSE_HEADROOM + cds - 1)))

@@ -150,6 +150,7 @@ class HeapTrimmer:
         self.min_names = min_names
         self.delay_s = delay_s
         self.trims = 0  # completed
+        self.last_seconds = 0.0  # how long the last trim took (in its worker thread)
         self._trim = trim if trim is not None else _load_malloc_trim()
         self._pending = 0
         self._timer: asyncio.TimerHandle | None = None
@@ -175,7 +176,8 @@ class HeapTrimmer:
     def _done(self, future: asyncio.Future) -> None:
         self.trims += 1
         if future.exception() is None:
-            log.debug("returned freed heap memory to the OS in %.3f s", future.result())
+            self.last_seconds = future.result()
+            log.debug("returned freed heap memory to the OS in %.3f s", self.last_seconds)
 
 
 def held_names(machine: SotwStream | DeltaStream) -> int:
@@ -285,7 +287,7 @@ class XdsServicer:
         self.guard = guard
         self.limits = limits if limits is not None else StreamLimits()
         self.heap = HeapTrimmer()
-        self._withheld_logged: dict[tuple[str, str, tuple[str, ...]], None] = {}
+        self._withheld_logged: dict[tuple[str, str, str, int], None] = {}
         self.closing = False
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
@@ -395,7 +397,8 @@ class XdsServicer:
 
     def _log_withheld(self, info: StreamInfo, notice: Withheld) -> None:
         """Our error, logged once per (type, version, names) however many streams hit it."""
-        key = (notice.type_url, notice.version, notice.names)
+        key = (notice.type_url, notice.version, notice.names[0] if notice.names else "",
+               len(notice.names))
         if key in self._withheld_logged:
             return
         self._withheld_logged[key] = None
