@@ -24,7 +24,9 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 from tests.xds_fixtures import BASE, snapshot
 from xds_server import metrics, transport
 from xds_server import type_urls as T
+from xds_server.app import Trimtab
 from xds_server.cache import SnapshotCache
+from xds_server.config import ConfigError, parse_config
 from xds_server.protocol import RESPONSE_HEADROOM, StreamLimits
 from xds_server.snapshot import build_snapshot
 from xds_server.transport import (
@@ -436,3 +438,16 @@ def test_a_whole_state_too_large_to_send_is_withheld_and_logged_once_as_ours(cap
     cds = sum(len(r.sotw_field) for r in snapshot(BASE).of_type(T.CLUSTER).values())
     asyncio.run(_with_server(body, limits=StreamLimits(
         max_response_bytes=RESPONSE_HEADROOM + cds - 1)))
+
+
+def test_the_xds_limits_in_the_config_reach_every_stream():
+    base = {"pools": [{"name": "p", "model": "m", "endpoints": [{"address": "10.0.0.1:80"}]}]}
+    default = parse_config(base).xds.limits
+    assert (default.max_resource_names, default.max_response_bytes) == (
+        StreamLimits().max_resource_names, StreamLimits().max_response_bytes) == (16_384, 4 * 2**20)
+    config = parse_config({**base, "xds": {"limits": {"max_resource_names": 500,
+                                                      "max_response_bytes": 1_000_000}}})
+    servicer = Trimtab(config).servicer
+    assert servicer.limits == StreamLimits(500, 1_000_000)
+    with pytest.raises(ConfigError, match="max_response_bytes"):
+        parse_config({**base, "xds": {"limits": {"max_response_bytes": 1000}}})
