@@ -3,8 +3,11 @@
 * A stuck stream (never reads) delays nobody: the event loop stays responsive, a normal
   client still gets every update, and the stuck stream's backlog is one response per type.
 * A storm of clients connecting at once is all served.
-* Message size: where a single EDS response crosses Envoy's 4 MiB default (docs/scale.md).
-* A NACKed resource version is never re-sent while other resources keep updating.
+* Message size: 50k endpoints fit one response; a push over 4 MiB reaches a client with a 4 MiB
+  receive limit in parts (docs/scale.md).
+* A NACKed resource version is never re-sent on its stream while other resources keep updating;
+  a new stream of the same node id gets the current state.
+* An impostor claiming a node id and NACKing everything does not deny that node its config.
 """
 
 from __future__ import annotations
