@@ -42,7 +42,7 @@ WILDCARD = "*"
 _ADS_RANK = {type_url: i for i, type_url in enumerate(type_urls.ADS_ORDER)}
 
 MAX_RESOURCE_NAMES = 16_384  # names of one type one stream may subscribe to
-MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # Envoy's (gRPC's) default receive limit per message
+MAX_RESPONSE_BYTES = 4 * 1024 * 1024  # gRPC clients' default receive limit per message
 # Reserved below max_response_bytes for what packing does not count: the envelope fields
 # (version, type URL, nonce; well under 300 bytes) and gRPC's 5-byte message prefix.
 RESPONSE_HEADROOM = 1024
