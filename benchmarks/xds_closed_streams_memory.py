@@ -10,7 +10,8 @@ that once too). Per round, `--streams` SotW ADS streams each subscribe EDS to on
 plus `--names` made-up names of their own, wait for their answer, and close. The server's RSS
 (VmRSS) is read before the first round, while each round's streams are open, and once they
 have all closed (its stream count back to 0 and its heap trimmer run, no forced garbage
-collection; then once more after a `gc.collect()`). The snapshot is never replaced, so nothing but the closing can free
+collection; then once more after a `gc.collect()`). The worst event-loop lag (a 5 ms timer) of
+the server while the streams open, and while they close and are trimmed, is reported too. The snapshot is never replaced, so nothing but the closing can free
 what the streams held. Results: a table on stdout and
 `benchmarks/results/xds_closed_streams_memory.json`.
 
@@ -69,6 +70,8 @@ async def _serve(conn: Connection, max_names: int | None) -> None:
     servicer = XdsServicer(cache, limits=limits) if limits is not None else XdsServicer(cache)
     server, port = await start_xds_server(servicer, "127.0.0.1:0")
     loop = asyncio.get_running_loop()
+    lag = [0.0]  # the worst delay of a 5 ms timer since the last "lag" command
+    monitor = asyncio.create_task(_watch_lag(lag))
     conn.send(port)
     try:
         while True:
@@ -81,9 +84,21 @@ async def _serve(conn: Connection, max_names: int | None) -> None:
             heap = getattr(servicer, "heap", None)  # absent before issue 12's fix
             conn.send({"streams": len(servicer.streams), "snapshot": cache.snapshot.version,
                        "rss_mb": rss_mb(), "trims": heap.trims if heap is not None else None,
-                       "trim_s": heap.last_seconds if heap is not None else None})
+                       "trim_s": heap.last_seconds if heap is not None else None,
+                       "loop_lag_ms": lag[0] * 1000})
+            if command == "lag":
+                lag[0] = 0.0
     finally:
+        monitor.cancel()
         await server.stop(None)
+
+
+async def _watch_lag(worst: list[float]) -> None:
+    loop = asyncio.get_running_loop()
+    while True:
+        started = loop.time()
+        await asyncio.sleep(0.005)
+        worst[0] = max(worst[0], loop.time() - started - 0.005)
 
 
 class Server:
@@ -156,17 +171,19 @@ async def close_streams(channels: list[grpc.aio.Channel], calls: list[Any]) -> N
 def run_round(server: Server, streams: int, names: int, round_no: int) -> dict[str, Any]:
     async def go() -> tuple[list[str], dict[str, Any]]:
         channels, calls, outcomes = await open_streams(server.port, streams, names, round_no)
-        state_open = server.state()
+        state_open = server.state("lag")  # the lag while opening; from here, while closing
         await close_streams(channels, calls)
         return outcomes, state_open
 
+    server.state("lag")
     outcomes, state_open = asyncio.run(go())
     closed = server.wait_streams(0, trims=state_open["trims"])
     collected = server.state("gc")
     return {"round": round_no, "outcomes": sorted(set(outcomes)),
             "rss_open_mb": state_open["rss_mb"], "streams_open": state_open["streams"],
             "rss_closed_mb": closed["rss_mb"], "rss_closed_after_gc_mb": collected["rss_mb"],
-            "trim_s": closed["trim_s"],
+            "trim_s": closed["trim_s"], "loop_lag_while_opening_ms": state_open["loop_lag_ms"],
+            "loop_lag_while_closing_ms": closed["loop_lag_ms"],
             "snapshot": closed["snapshot"]}
 
 
@@ -209,12 +226,14 @@ def main() -> None:
               "default_limit": default_limit_check(args.names)}
     print(f"server RSS at start: {result['start_rss_mb']:.0f} MB; "
           f"{args.streams} streams x {args.names:,} made-up EDS names per round")
-    print(f"{'round':>5} {'open MB':>8} {'closed MB':>9} {'after gc MB':>11} {'trim ms':>7}"
-          f"  outcomes")
+    print(f"{'round':>5} {'open MB':>8} {'closed MB':>9} {'after gc MB':>11} {'trim ms':>7} "
+          f"{'lag open/close ms':>17}  outcomes")
     for row in result["rounds"]:
         trim = f"{row['trim_s'] * 1000:.1f}" if row["trim_s"] is not None else "-"
         print(f"{row['round']:>5} {row['rss_open_mb']:>8.0f} {row['rss_closed_mb']:>9.0f} "
-              f"{row['rss_closed_after_gc_mb']:>11.0f} {trim:>7}  {', '.join(row['outcomes'])}")
+              f"{row['rss_closed_after_gc_mb']:>11.0f} {trim:>7} "
+              f"{row['loop_lag_while_opening_ms']:>8.1f}/{row['loop_lag_while_closing_ms']:<8.1f}"
+              f"  {', '.join(row['outcomes'])}")
     print(f"worst RSS growth after close: {result['worst_growth_after_close_mb']:+.0f} MB "
           f"(target +{TARGET_MB:.0f} MB): {'met' if result['within_target'] else 'NOT met'}; "
           f"snapshot unchanged: {result['snapshot_unchanged']}")

@@ -570,3 +570,11 @@ def test_snapshots_published_while_a_response_is_in_flight_all_reach_the_client(
     assert {r.name: r.version for r in second.resources} == {
         name: s2.of_type(T.ENDPOINT)[name].version for name in ("a", "b")}
     assert second.removed == (("c",) if api == "delta" else ())
+
+
+def test_a_request_far_over_max_resource_names_is_refused_on_its_raw_count():
+    s = SotwStream(limits=StreamLimits(max_resource_names=3))
+    with pytest.raises(ResourceLimitExceeded, match="subscribes to 6 eds"):
+        s.receive(sotw(T.ENDPOINT, names=["a", "a", "a", "a", "b", "*"]))  # 5 + "*": too many
+    s.receive(sotw(T.ENDPOINT, names=["a", "a", "b", "*"]))  # 3 + "*", 2 distinct: accepted
+    assert s.types[T.ENDPOINT].names == {"a", "b"} and s.types[T.ENDPOINT].wildcard

@@ -289,9 +289,13 @@ class _Stream:
             raise ProtocolError("request without type_url on an aggregated (ADS) stream")
         return type_url
 
-    def _check_names(self, type_url: str, count: int, what: str = "subscribes to") -> None:
+    def _check_names(self, type_url: str, count: int, what: str = "subscribes to",
+                     slack: int = 0) -> None:
+        """Refuse a request naming more than `max_resource_names`. Checked first on the raw
+        count (cheap: a hostile request is refused before any set of its names is built),
+        then on the distinct names the subscription would hold."""
         limit = self.limits.max_resource_names
-        if count > limit:
+        if count - slack > limit:
             raise ResourceLimitExceeded(
                 f"the request {what} {count} {type_urls.short_name(type_url)} resource names; "
                 f"this server accepts at most {limit} per type and stream "
@@ -407,6 +411,7 @@ class SotwStream(_Stream):
         if st is not None and nonce and nonce != st.last_nonce:
             return [StaleNonce(type_url, nonce)]
         first = st is None
+        self._check_names(type_url, len(request.resource_names), slack=1)  # one may be "*"
         names = frozenset(request.resource_names)
         wildcard = WILDCARD in names
         if wildcard:
@@ -515,6 +520,7 @@ class DeltaStream(_Stream):
 
     def _subscribe(self, st: TypeState, request: discovery_pb2.DeltaDiscoveryRequest,
                    first: bool) -> list[Event]:
+        self._check_names(st.type_url, len(request.resource_names_subscribe), slack=1)
         added, dropped = set(request.resource_names_subscribe), set(request.resource_names_unsubscribe)
         if not added and not dropped:
             return []
