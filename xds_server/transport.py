@@ -34,7 +34,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import grpc
@@ -128,16 +128,19 @@ TRIM_AFTER_NAMES = 10_000  # names held by streams closed since the last trim th
 TRIM_DELAY_S = 0.5  # closes within this long share one trim
 
 
+@cache
 def _load_malloc_trim() -> Callable[[int], int] | None:
     """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim  # type: ignore[no-any-return]
+    for name in ("libc.so.6", ctypes.util.find_library("c")):
+        if name is None:
+            continue
+        try:
+            trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError):
+            continue
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return trim  # type: ignore[no-any-return]
+    return None
 
 
 class HeapTrimmer:
@@ -407,8 +410,8 @@ class XdsServicer:
         names = ", ".join(notice.names[:5]) + (" and more" if len(notice.names) > 5 else "")
         log.error("not sending %s %s (version %s) to %r (logged once for every stream): it "
                   "needs %d bytes, above the %d one response may carry (xds.limits.max_response_bytes "
-                  "less headroom; %s); raise the limit here and the ADS cluster's "
-                  "max_receive_message_length in Envoy's bootstrap",
+                  "less headroom; %s); raise it, and the client's receive limit where it has "
+                  "one (Envoy: the ADS cluster's envoy_grpc.max_receive_message_length)",
                   type_urls.short_name(notice.type_url), names, notice.version, info.node_id,
                   notice.size, notice.limit,
                   "a whole-state type cannot be split" if len(notice.names) > 1
