@@ -20,6 +20,7 @@ from .history import WeightHistory
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .listen import listening
 from .nack_log import NackLog
+from .protocol import StreamLimits
 from .security import (
     NodeAuthorizer,
     RateLimiter,
@@ -99,7 +100,9 @@ class Trimtab:
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
             SnapshotViews(lambda: (self.controller.config, self.controller.canary_percent)))
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard)
+        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
+                                    limits=StreamLimits(limits.max_resource_names,
+                                                        limits.max_response_bytes))
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
         self.scaler_port: int | None = None
