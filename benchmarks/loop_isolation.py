@@ -8,7 +8,9 @@ and, in separate processes so that they do not share its GIL, the telemetry peer
   the page is refused after counting; ``big-page-parsed`` raises the cap above the page so
   that the whole page is parsed every tick (on the telemetry worker thread);
 * ``promql-10k``: 10,000 endpoints read through a fake Prometheus (five default-signal
-  queries of 10,000 series each), composite policy.
+  queries of 10,000 series each), composite policy;
+* ``idle``: the control, three static endpoints: what this machine gives with no telemetry
+  work at all (on a shared machine its max is the floor under every other max).
 
 The probe sends ``GET /healthz`` every 20 ms (one keep-alive connection) and, every 250 ms,
 a fresh ADS CDS fetch (new channel, stream, first CDS response), for ``--seconds`` per
@@ -46,6 +48,7 @@ BIG_PAGE_SERIES = 288_000
 PROMQL_ENDPOINTS = 10_000
 PROMQL_SIGNALS = {"kv_usage": (0.0, 1.0), "queue": (0.0, 40.0), "running": (0.0, 64.0),
                   "itl_ms": (5.0, 120.0), "gpu_mem_pct": (80.0, 95.0)}
+SCENARIOS = ["idle", "big-page", "big-page-parsed", "promql-10k"]
 CDS = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 
@@ -62,9 +65,10 @@ def small_page(i: int) -> str:
 
 
 def big_page(series: int) -> str:
-    """A valid vLLM page: one gauge family with ``series`` series (~52 bytes each)."""
+    """A valid vLLM page: one gauge family with ``series`` series (55 bytes each; 288k of
+    them make 15.1 MiB, under the 16 MiB body limit)."""
     head = "# HELP vllm:num_requests_waiting waiting\n# TYPE vllm:num_requests_waiting gauge\n"
-    lines = [f'vllm:num_requests_waiting{{model_name="m",lora="adapter-{i:07d}"}} 0\n'
+    lines = [f'vllm:num_requests_waiting{{model_name="m",i="{i:06d}"}} 0\n'
              for i in range(series)]
     return head + "".join(lines)
 
@@ -166,6 +170,11 @@ def scenario_config(name: str, peers: int, xds: int, admin: int, listener: int
     base: dict[str, Any] = {"xds": {"address": f"127.0.0.1:{xds}"},
                             "admin": {"address": f"127.0.0.1:{admin}"},
                             "listener": {"address": f"127.0.0.1:{listener}"}}
+    if name == "idle":  # the control: what this machine gives with no telemetry work
+        endpoints = [{"address": f"10.1.0.{i + 1}:8000", "signals": {"gpu_mem_pct": 50.0}}
+                     for i in range(3)]
+        return {**base, "telemetry": {"interval_seconds": 2, "source": "static"},
+                "pools": [{"name": "idle", "model": "m", "endpoints": endpoints}]}
     if name.startswith("big-page"):
         endpoints = [{"address": f"10.1.0.{i + 1}:8000",
                       "metrics_url": f"http://127.0.0.1:{peers}/metrics/{i}"} for i in range(3)]
@@ -229,7 +238,7 @@ def summarise(values_ms: list[float]) -> dict[str, float]:
 def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
     out = {}
     for name, r in results.items():
-        if "skipped" in r:
+        if "skipped" in r or name == "idle":
             continue
         if name.startswith("big-page"):
             out[f"{name}: /healthz p99 <= {TARGET_MS:g} ms"] = r["healthz"]["p99_ms"] <= TARGET_MS
@@ -243,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=12.0, help="probe time per scenario")
     parser.add_argument("--scenario", action="append",
-                        choices=["big-page", "big-page-parsed", "promql-10k"])
+                        choices=SCENARIOS)
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -258,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     time.sleep(0.5)
     results: dict[str, dict[str, Any]] = {}
     try:
-        for name in args.scenario or ["big-page", "big-page-parsed", "promql-10k"]:
+        for name in args.scenario or SCENARIOS:
             results[name] = asyncio.run(run_scenario(name, peers_port, args.seconds))
             print(name, json.dumps(results[name]), flush=True)
     finally:
@@ -272,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "code": str(Path(xds_server.__file__).resolve().parent),
         "python": sys.version.split()[0], "machine": platform.machine(),
         "seconds_per_scenario": args.seconds, "results": results, "targets": checks,
+        "big_page_bytes": len(big_page(BIG_PAGE_SERIES).encode()),
     }, indent=2) + "\n")
     print(f"wrote {args.output}")
     return 0 if all(checks.values()) else 1
