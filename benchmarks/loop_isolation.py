@@ -5,20 +5,22 @@ and, in separate processes so that they do not share its GIL, the telemetry peer
 
 * ``big-page``: three ordinary vLLM endpoints and one whose page is a valid 15 MiB page of
   about 288k series, scraped every tick. With the default ``telemetry.max_series_per_page``
-  the page is refused after counting; ``big-page-parsed`` raises the cap above the page so
-  that the whole page is parsed every tick (on the telemetry worker thread);
+  the page is refused after counting; ``big-page-parsed`` (no target: the worst case the cap
+  exists for) raises the cap above the page so that the whole page is parsed every tick (on
+  the telemetry worker thread);
 * ``promql-10k``: 10,000 endpoints read through a fake Prometheus (five default-signal
   queries of 10,000 series each), composite policy;
 * ``idle``: the control, three static endpoints: what this machine gives with no telemetry
   work at all (on a shared machine its max is the floor under every other max).
 
-The probe sends ``GET /healthz`` every 20 ms (one keep-alive connection) and, every 250 ms,
+The probe sends ``GET /healthz`` every 20 ms (one keep-alive connection) and, every 100 ms,
 a fresh ADS CDS fetch (new channel, stream, first CDS response), for ``--seconds`` per
-scenario, and reports p50 / p99 / max per scenario. The targets (issue 13): with the big page,
+scenario, and reports p50 / p99 / max per scenario and run (``--runs``, for the spread; each
+target is judged on the worst run). The targets (issue 13): with the big page,
 ``/healthz`` p99 and CDS fetch p99 <= 100 ms; with 10,000 endpoints, ``/healthz`` max <= 100 ms.
 Writes ``benchmarks/results/loop_isolation.json``.
 
-    .venv/bin/python benchmarks/loop_isolation.py [--seconds 12] [--scenario big-page ...]
+    .venv/bin/python benchmarks/loop_isolation.py [--seconds 12] [--runs 3] [--scenario idle ...]
 
 To measure another checkout (e.g. the code before the fix), put it first on the path:
 ``PYTHONPATH=/tmp/old .venv/bin/python benchmarks/loop_isolation.py --output /tmp/old.json``
@@ -43,7 +45,7 @@ from typing import Any
 RESULTS = Path(__file__).resolve().parent / "results" / "loop_isolation.json"
 TARGET_MS = 100.0
 HEALTHZ_EVERY_S = 0.02
-CDS_EVERY_S = 0.25
+CDS_EVERY_S = 0.1
 BIG_PAGE_SERIES = 288_000
 PROMQL_ENDPOINTS = 10_000
 PROMQL_SIGNALS = {"kv_usage": (0.0, 1.0), "queue": (0.0, 40.0), "running": (0.0, 64.0),
@@ -235,17 +237,35 @@ def summarise(values_ms: list[float]) -> dict[str, float]:
             "max_ms": ordered[-1]}
 
 
-def verdicts(results: dict[str, dict[str, Any]]) -> dict[str, bool]:
+def verdicts(results: dict[str, list[dict[str, Any]]]) -> dict[str, bool]:
+    """Each target, judged on the worst of the runs."""
     out = {}
-    for name, r in results.items():
-        if "skipped" in r or name == "idle":
+    for name, runs in results.items():
+        if name in ("idle", "big-page-parsed") or any("skipped" in r for r in runs):
             continue
         if name.startswith("big-page"):
-            out[f"{name}: /healthz p99 <= {TARGET_MS:g} ms"] = r["healthz"]["p99_ms"] <= TARGET_MS
-            out[f"{name}: CDS fetch p99 <= {TARGET_MS:g} ms"] = r["cds"]["p99_ms"] <= TARGET_MS
+            out[f"{name}: /healthz p99 <= {TARGET_MS:g} ms"] = _worst(runs, "healthz", "p99_ms")
+            out[f"{name}: CDS fetch p99 <= {TARGET_MS:g} ms"] = _worst(runs, "cds", "p99_ms")
         else:
-            out[f"{name}: /healthz max <= {TARGET_MS:g} ms"] = r["healthz"]["max_ms"] <= TARGET_MS
+            out[f"{name}: /healthz max <= {TARGET_MS:g} ms"] = _worst(runs, "healthz", "max_ms")
     return out
+
+
+def _worst(runs: list[dict[str, Any]], kind: str, stat: str) -> bool:
+    return max(r[kind][stat] for r in runs) <= TARGET_MS
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
+    lines = [f"{'scenario':<16} {'probe':<8} {'p50 ms':>16} {'p99 ms':>22} {'max ms':>22}"]
+    for name, runs in results.items():
+        if any("skipped" in r for r in runs):
+            lines.append(f"{name:<16} skipped: {runs[0]['skipped']}")
+            continue
+        for kind in ("healthz", "cds"):
+            cells = ["/".join(f"{r[kind][stat]:.0f}" for r in runs)
+                     for stat in ("p50_ms", "p99_ms", "max_ms")]
+            lines.append(f"{name:<16} {kind:<8} {cells[0]:>16} {cells[1]:>22} {cells[2]:>22}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -253,6 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=12.0, help="probe time per scenario")
     parser.add_argument("--scenario", action="append",
                         choices=SCENARIOS)
+    parser.add_argument("--runs", type=int, default=3, help="repeat every scenario (spread)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)
@@ -265,14 +286,18 @@ def main(argv: list[str] | None = None) -> int:
     peers.start()
     ready.wait(60)
     time.sleep(0.5)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, list[dict[str, Any]]] = {}
     try:
-        for name in args.scenario or SCENARIOS:
-            results[name] = asyncio.run(run_scenario(name, peers_port, args.seconds))
-            print(name, json.dumps(results[name]), flush=True)
+        for run in range(args.runs):
+            for name in args.scenario or SCENARIOS:
+                result = asyncio.run(run_scenario(name, peers_port, args.seconds))
+                results.setdefault(name, []).append(result)
+                print(f"run {run + 1} {name}", json.dumps(result), flush=True)
     finally:
         peers.terminate()
         peers.join()
+    print("per run (run1/run2/...):")
+    print("\n".join(table(results)))
     checks = verdicts(results)
     for check, ok in checks.items():
         print(f"  {check}: {'met' if ok else 'NOT met'}")
@@ -280,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
     args.output.write_text(json.dumps({
         "code": str(Path(xds_server.__file__).resolve().parent),
         "python": sys.version.split()[0], "machine": platform.machine(),
-        "seconds_per_scenario": args.seconds, "results": results, "targets": checks,
+        "seconds_per_scenario": args.seconds, "runs": args.runs, "results": results, "targets": checks,
         "big_page_bytes": len(big_page(BIG_PAGE_SERIES).encode()),
     }, indent=2) + "\n")
     print(f"wrote {args.output}")

@@ -174,15 +174,18 @@ class Controller:
         notes (logs, metrics, ``stats.stale``/``problems``, written by nothing else and under
         ``_notes_lock``) run on the telemetry worker. The weights are applied on the loop,
         unless the config changed meanwhile (a reload or discovery weighed and published its
-        own; the next tick weighs the new config)."""
+        own; the next tick reads and weighs the new config)."""
+        config = self.config
         recorded: dict[str, ScrapeResult] = {}
         since = time.perf_counter()
         for address, result in results.items():
             recorded[address] = self._record(address, result)
             if time.perf_counter() - since > SLICE_SECONDS:
                 await asyncio.sleep(0)
+                if self.config is not config:
+                    return  # these reads may name endpoints the new config dropped
                 since = time.perf_counter()
-        config, jobs = self.config, self._weighing_jobs()
+        jobs = self._weighing_jobs()
         weights = await off_loop(self._locked_weigh_and_note, jobs, recorded)
         if self.config is config:
             self.weights = weights
