@@ -379,3 +379,33 @@ def test_a_page_over_max_series_per_page_is_refused_and_goes_stale():
     assert big.sample is None and big.error == too_many_series(50)
     assert controller.weights["c"].endpoints["127.0.0.1:1"].stale
     assert not controller.weights["c"].endpoints["127.0.0.1:2"].stale
+
+
+def test_off_loop_tick_hooks_prepare_on_the_worker_and_apply_on_the_loop():
+    controller, scraper, _, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    seen: dict[str, object] = {}
+
+    def prepare():
+        seen["prepared_on_worker"] = _on_worker()
+        weights = dict(controller.weights)  # read-only work, off the loop
+        return lambda: seen.update(applied_on=threading.current_thread(), weights=weights)
+
+    controller.on_tick_off_loop.append(prepare)
+
+    async def scenario() -> threading.Thread:
+        await controller.tick()
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(scenario())
+    assert seen["prepared_on_worker"] is True and seen["applied_on"] is loop_thread
+    assert set(seen["weights"]) == {"p", "q"}
+
+
+def test_the_startup_heap_is_frozen_out_of_the_cyclic_gc_after_a_tick():
+    import gc
+
+    controller, scraper, _, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    asyncio.run(controller.tick())
+    assert controller_module._heap_frozen and gc.get_freeze_count() > 0

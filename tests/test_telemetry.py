@@ -429,3 +429,25 @@ def test_store_forget_drops_unconfigured_endpoints() -> None:
     observations = store.observations(["a:1", "b:1", "c:1"])
     assert observations["b:1"].sample is not None
     assert observations["a:1"].sample is None and observations["c:1"].sample is None
+
+
+def test_off_loop_pauses_the_cyclic_gc_while_its_job_runs() -> None:
+    """A collection holds the GIL whichever thread runs it; the worker's jobs must not set
+    one off mid-job (the loop would wait for it). The collector's state is restored after."""
+    import gc
+
+    def job(fail: bool) -> tuple[bool, str]:
+        if fail:
+            raise RuntimeError("boom")
+        return gc.isenabled(), threading.current_thread().name
+
+    async def scenario() -> tuple[bool, str]:
+        with pytest.raises(RuntimeError):
+            await telemetry.off_loop(job, True)
+        assert gc.isenabled()
+        return await telemetry.off_loop(job, False)
+
+    assert gc.isenabled()
+    enabled_inside, thread = asyncio.run(scenario())
+    assert not enabled_inside and thread.startswith("trimtab-telemetry")
+    assert gc.isenabled()
