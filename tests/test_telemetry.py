@@ -22,6 +22,7 @@ from xds_server.telemetry import (
     ScrapeResult,
     TelemetryStore,
     parse_dcgm_memory,
+    refuse_unparsed,
     series_over,
     too_many_series,
 )
@@ -279,6 +280,7 @@ def _gauge_page(series: int, comments_per_series: int = 0) -> str:
 def test_series_over_counts_samples_only() -> None:
     assert not series_over(_gauge_page(100, comments_per_series=3), 100)  # 701 lines, 100 series
     assert series_over(_gauge_page(101, comments_per_series=3), 100)
+    assert series_over(_gauge_page(101), 100) and not series_over(_gauge_page(100), 100)
     assert not series_over("  \n\t# HELP x y\n  x 1  \n", 1)  # stripped as the parser does
     assert series_over("x 1\n  x 2", 1)  # the last line needs no newline
 
@@ -297,6 +299,18 @@ def test_series_over_stops_reading_at_the_first_series_past_the_limit(monkeypatc
     assert len(read) == 12  # the TYPE line and 11 samples, of 100,001 lines
 
 
+def test_a_page_of_comments_or_blank_lines_is_bounded_too() -> None:
+    """Parse time follows lines, not only samples: a page of 1 series and 16 MiB of blank
+    lines or comments is refused unparsed as well."""
+    assert refuse_unparsed(_gauge_page(100, comments_per_series=1), 100) is None  # 301 lines
+    for filler in ("\n", "# c\n"):
+        page = "x 1\n" + filler * 401
+        assert not series_over(page, 100)
+        assert refuse_unparsed(page, 100) == (
+            "series: the endpoint's page has more than 400 lines "
+            "(4 × telemetry.max_series_per_page); refused without parsing it")
+
+
 def test_page_over_the_series_cap_is_refused_unparsed_and_flagged() -> None:
     parsed: list[int] = []
 
@@ -306,7 +320,7 @@ def test_page_over_the_series_cap_is_refused_unparsed_and_flagged() -> None:
 
     async def scenario() -> dict[str, ScrapeResult]:
         runner, port = await _start({"/big": _text(_gauge_page(1_001)),
-                                     "/ok": _text(_gauge_page(1_000, comments_per_series=2))})
+                                     "/ok": _text(_gauge_page(1_000, comments_per_series=1))})
         scraper = Scraper(timeout_seconds=5.0, parse=parse, max_series_per_page=1_000)
         try:
             return await scraper.scrape({"big:1": f"http://127.0.0.1:{port}/big",
@@ -320,7 +334,7 @@ def test_page_over_the_series_cap_is_refused_unparsed_and_flagged() -> None:
     assert results["big:1"].error.startswith(
         "series: the endpoint's page has more than 1000 series (telemetry.max_series_per_page)")
     assert results["ok:1"].signals == {"load": 1.0}
-    assert parsed == [len(_gauge_page(1_000, comments_per_series=2))]  # the big page never
+    assert parsed == [len(_gauge_page(1_000, comments_per_series=1))]  # the big page never
 
 
 def test_scraper_parses_on_the_worker_thread_while_the_loop_serves() -> None:

@@ -22,6 +22,7 @@ FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_MAX_SERIES_PER_PAGE = 20_000
+LINES_PER_SERIES = 4  # lines of any kind a page may have per allowed series
 _READ_CHUNK = 64 * 1024
 
 GpuKey = tuple[str, str]  # (gpu index label, UUID label)
@@ -68,6 +69,20 @@ def _without_gc(fn: Callable[..., T], args: tuple[object, ...], kwargs: dict[str
     finally:
         if enabled:
             gc.enable()
+
+
+def refuse_unparsed(text: str, max_series: int) -> str | None:
+    """Why a page is too costly to parse, or ``None``. Parse time follows the number of lines,
+    so both are bounded: samples (series) to ``max_series``, and every line, comments and
+    blank ones included, to :data:`LINES_PER_SERIES` times that (a page of HELP/TYPE pairs
+    and samples has at most three lines per series)."""
+    max_lines = LINES_PER_SERIES * max_series
+    if text.count("\n") > max_lines:
+        return (f"series: the endpoint's page has more than {max_lines} lines "
+                f"({LINES_PER_SERIES} × telemetry.max_series_per_page); refused without parsing it")
+    if series_over(text, max_series):
+        return too_many_series(max_series)
+    return None
 
 
 def series_over(text: str, limit: int) -> bool:
@@ -290,8 +305,9 @@ class Scraper:
         """Decode, bound and parse one page (CPU work: :meth:`scrape` runs it off the loop)."""
         try:
             text = body.decode("utf-8")
-            if series_over(text, self._max_series):
-                return ScrapeResult(None, too_many_series(self._max_series), collected_at)
+            refused = refuse_unparsed(text, self._max_series)
+            if refused is not None:
+                return ScrapeResult(None, refused, collected_at)
             parsed = parse(text)
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
