@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -91,7 +92,7 @@ class Trimtab:
         self.cache = SnapshotCache()
         self.controller = Controller(config, self.cache, state_file=state_file_path(config, config_path))
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
-        self.controller.on_tick.append(self._record_history)
+        self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
         limits = config.xds.limits
@@ -195,8 +196,11 @@ class Trimtab:
         await self.controller.reload(self.discovery.effective(config))
         self.discovery.start(config)
 
-    def _record_history(self) -> None:
-        self.history.record(self.controller.clock(), weights_document(self.controller))
+    def _prepare_history(self) -> Callable[[], None]:
+        """On the telemetry worker: the weights document (CPU-heavy at fleet scale, reads
+        only what a tick replaces); the loop then records it."""
+        at, document = self.controller.clock(), weights_document(self.controller)
+        return lambda: self.history.record(at, document)
 
     def _apply_discovered(self, config: Config) -> None:
         self.controller.apply_config(config)

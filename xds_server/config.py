@@ -166,6 +166,7 @@ class TelemetryConfig(_Model):
     max_concurrency: int = Field(64, ge=1)
     source: SourceName = "scrape"           # default for pools; a pool may pick its own
     latency_window_seconds: float = Field(30.0, gt=0)  # decode latency: windowed mean ITL
+    max_series_per_page: int = Field(20_000, ge=1)  # a page with more is refused unparsed
     prometheus: PrometheusSourceConfig = PrometheusSourceConfig()
     file: str | None = None                 # source `file`: YAML/JSON {address: {signal: value}}
 
