@@ -19,6 +19,7 @@ from xds_server.controller import Controller
 from xds_server.explain import explain_rows
 from xds_server.nack_log import NackLog
 from xds_server.protocol import SotwStream
+from xds_server.security import StreamAccess
 from xds_server.transport import StreamInfo, XdsServicer
 
 
@@ -235,3 +236,27 @@ def test_other_hostile_bytes_get_a_4xx_and_no_traceback(caplog):
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert "Traceback" not in caplog.text
     assert "bad HTTP request from 127.0.0.1" in caplog.text
+
+
+def test_snapshot_and_nacks_show_the_node_a_stream_was_authorised_as_and_who_sent_it():
+    """A node id claimed after the first request is ignored: /v1/snapshot and /v1/nacks show
+    the first request's, with the peer and the certificate identities next to it."""
+    async def body(client, controller, servicer, nacks, ready):
+        await controller.tick()
+        machine = SotwStream()
+        machine.receive(DiscoveryRequest(type_url=T.CLUSTER, node={"id": "edge-1"}))
+        [resp] = machine.responses(controller.cache.snapshot)
+        access = StreamAccess("ipv4:10.1.2.3:5000", ["spiffe://corp/cluster/edge/node/edge-1"])
+        info = StreamInfo("ipv4:10.1.2.3:5000", "sotw", "ADS", machine, access)
+        servicer.streams.add(info)
+        events = machine.receive(DiscoveryRequest(
+            type_url=T.CLUSTER, node={"id": "victim"}, response_nonce=resp.nonce,
+            error_detail={"message": "bad cluster"}))
+        nacks.observe(info, events[0])
+        [stream] = (await (await client.get("/v1/snapshot")).json())["streams"]
+        assert (stream["node"], stream["peer"], stream["identities"]) == (
+            "edge-1", "ipv4:10.1.2.3:5000", ["spiffe://corp/cluster/edge/node/edge-1"])
+        [record] = (await (await client.get("/v1/nacks")).json())["recent"]
+        assert (record["node"], record["peer"], record["identities"]) == (
+            "edge-1", "ipv4:10.1.2.3:5000", ["spiffe://corp/cluster/edge/node/edge-1"])
+    asyncio.run(_run(body))

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
+import time
 from dataclasses import replace
 
 import pytest
@@ -14,11 +16,12 @@ from prometheus_client import REGISTRY
 
 from tests.support.backends import serve_pages
 from tests.xds_fixtures import cluster
+from xds_server import controller as controller_module
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
 from xds_server.config import parse_config
 from xds_server.controller import Controller
-from xds_server.telemetry import ScrapeResult
+from xds_server.telemetry import ScrapeResult, too_many_series
 
 CONFIG = parse_config({
     "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
@@ -263,3 +266,148 @@ def test_out_of_range_signal_from_any_source_is_screened(bad: float):
     controller.ingest({"127.0.0.1:1": ScrapeResult({"kv_usage": 0.5, "queue": 8.0}, None, 1000.0)})
     assert controller.weights["c"].endpoints["127.0.0.1:1"].problems == ()
     assert controller.stats.problems == {}
+
+
+# --- telemetry work off the event loop (issue 13 §1) ------------------------------------------
+
+def _on_worker() -> bool:
+    return threading.current_thread().name.startswith("trimtab-telemetry")
+
+
+def test_a_tick_weighs_and_builds_on_the_worker_and_applies_on_the_loop(monkeypatch):
+    controller, scraper, cache, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    threads: dict[str, list[bool]] = {"weigh": [], "build": []}
+    real_weigh, real_build = controller_module.cluster_weights, controller_module.build_snapshot
+
+    def weigh(*args, **kwargs):
+        threads["weigh"].append(_on_worker())
+        return real_weigh(*args, **kwargs)
+
+    def build(*args, **kwargs):
+        threads["build"].append(_on_worker())
+        return real_build(*args, **kwargs)
+
+    monkeypatch.setattr(controller_module, "cluster_weights", weigh)
+    monkeypatch.setattr(controller_module, "build_snapshot", build)
+    asyncio.run(controller.tick())
+    assert threads == {"weigh": [True, True], "build": [True]}  # pools p and q; one snapshot
+    assert eds_weights(cache, "p") == {"10.0.0.1:80": 90, "10.0.0.2:80": 60}
+    assert controller.stats.stale == {"p/10.0.0.1:80": False, "p/10.0.0.2:80": False,
+                                      "q/10.0.1.1:80": False}
+
+
+OTHER = parse_config({
+    "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
+    "pools": [{"name": "r", "model": "m", "endpoints": [{"address": "10.0.2.1:80"}]}],
+})
+
+
+def _held_on_worker(monkeypatch, name: str) -> tuple[threading.Event, threading.Event]:
+    """Make the worker's call of ``controller_module.<name>`` wait until released (the
+    loop's own calls pass straight through); returns (entered, release)."""
+    entered, release = threading.Event(), threading.Event()
+    real = getattr(controller_module, name)
+
+    def held(*args, **kwargs):
+        if _on_worker():
+            entered.set()
+            release.wait(10.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(controller_module, name, held)
+    return entered, release
+
+
+async def _tick_with_config_change(controller: Controller, entered: threading.Event,
+                                   release: threading.Event) -> bool:
+    """Tick; while the worker is held, the loop applies OTHER. True if the loop got to run
+    while the worker held the tick."""
+    tick = asyncio.create_task(controller.tick())
+    deadline = time.monotonic() + 10.0
+    while not entered.is_set() and time.monotonic() < deadline:
+        await asyncio.sleep(0.001)
+    loop_ran_meanwhile = entered.is_set() and not tick.done()
+    controller.apply_config(OTHER)
+    release.set()
+    await tick
+    return loop_ran_meanwhile
+
+
+def test_a_weighing_overtaken_by_a_new_config_is_dropped(monkeypatch):
+    controller, scraper, cache, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    entered, release = _held_on_worker(monkeypatch, "cluster_weights")
+    assert asyncio.run(_tick_with_config_change(controller, entered, release))
+    assert set(controller.weights) <= {"r"}  # never the old config's pools
+    assert set(cache.snapshot.of_type(T.ENDPOINT)) == {"r"}
+
+
+def test_a_snapshot_built_from_inputs_that_changed_meanwhile_is_rebuilt(monkeypatch):
+    controller, scraper, cache, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    entered, release = _held_on_worker(monkeypatch, "build_snapshot")
+    assert asyncio.run(_tick_with_config_change(controller, entered, release))
+    assert set(cache.snapshot.of_type(T.ENDPOINT)) == {"r"}
+    assert set(cache.snapshot.of_type(T.CLUSTER)) == {"r"}
+
+
+def test_a_page_over_max_series_per_page_is_refused_and_goes_stale():
+    page = "# TYPE vllm:num_requests_waiting gauge\n" + "".join(
+        f'vllm:num_requests_waiting{{model_name="m",i="{i}"}} 1\n' for i in range(51))
+    config = parse_config({
+        "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3, "max_series_per_page": 50},
+        "weights": {"policy": "composite"},
+        "pools": [{"name": "c", "model": "m", "endpoints": [
+            {"address": "127.0.0.1:1", "metrics_url": "http://127.0.0.1:1/big"},
+            {"address": "127.0.0.1:2", "metrics_url": "http://127.0.0.1:1/ok"}]}],
+    })
+
+    async def scenario() -> Controller:
+        runner, port = await serve_pages({"/big": page, "/ok": _vllm_page("0.5", 8)})
+        clock = [1000.0]
+        controller = Controller(_with_port(config, port), SnapshotCache(), clock=lambda: clock[0])
+        try:
+            for _ in range(5):
+                await controller.tick()
+                clock[0] += 1
+        finally:
+            await controller.close()
+            await runner.cleanup()
+        return controller
+
+    controller = asyncio.run(scenario())
+    big = controller.store.observations(["127.0.0.1:1"])["127.0.0.1:1"]
+    assert big.sample is None and big.error == too_many_series(50)
+    assert controller.weights["c"].endpoints["127.0.0.1:1"].stale
+    assert not controller.weights["c"].endpoints["127.0.0.1:2"].stale
+
+
+def test_off_loop_tick_hooks_prepare_on_the_worker_and_apply_on_the_loop():
+    controller, scraper, _, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    seen: dict[str, object] = {}
+
+    def prepare():
+        seen["prepared_on_worker"] = _on_worker()
+        weights = dict(controller.weights)  # read-only work, off the loop
+        return lambda: seen.update(applied_on=threading.current_thread(), weights=weights)
+
+    controller.on_tick_off_loop.append(prepare)
+
+    async def scenario() -> threading.Thread:
+        await controller.tick()
+        return threading.current_thread()
+
+    loop_thread = asyncio.run(scenario())
+    assert seen["prepared_on_worker"] is True and seen["applied_on"] is loop_thread
+    assert set(seen["weights"]) == {"p", "q"}
+
+
+def test_the_startup_heap_is_frozen_out_of_the_cyclic_gc_after_a_tick():
+    import gc
+
+    controller, scraper, _, _ = make()
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
+    asyncio.run(controller.tick())
+    assert controller_module._heap_frozen and gc.get_freeze_count() > 0

@@ -3,8 +3,11 @@
 * A stuck stream (never reads) delays nobody: the event loop stays responsive, a normal
   client still gets every update, and the stuck stream's backlog is one response per type.
 * A storm of clients connecting at once is all served.
-* Message size: where a single EDS response crosses Envoy's 4 MiB default (docs/scale.md).
-* A NACKed resource version is never re-sent while other resources keep updating.
+* Message size: 50k endpoints fit one response; a push over 4 MiB reaches a client with a 4 MiB
+  receive limit in parts (docs/scale.md).
+* A NACKed resource version is never re-sent on its stream while other resources keep updating;
+  a new stream of the same node id gets the current state.
+* An impostor claiming a node id and NACKing everything does not deny that node its config.
 """
 
 from __future__ import annotations
@@ -47,9 +50,15 @@ from tests import xds_fixtures as fixtures
 from tests.xds_fixtures import snapshot
 from xds_server import type_urls as T
 from xds_server.cache import SnapshotCache
-from xds_server.protocol import Response
+from xds_server.protocol import Response, StreamLimits
 from xds_server.snapshot import Snapshot, build_snapshot
-from xds_server.transport import StreamInfo, XdsServicer, start_xds_server
+from xds_server.transport import (
+    StreamInfo,
+    XdsServicer,
+    encode_delta,
+    encode_sotw,
+    start_xds_server,
+)
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/"
 WAIT_S = 5.0  # generous: every bound here is "promptly", not a performance figure
@@ -58,8 +67,8 @@ WAIT_S = 5.0  # generous: every bound here is "promptly", not a performance figu
 class RecordingServicer(XdsServicer):
     """Counts responses handed to gRPC and the ones whose write completed, per node."""
 
-    def __init__(self, cache: SnapshotCache) -> None:
-        super().__init__(cache)
+    def __init__(self, cache: SnapshotCache, limits: StreamLimits | None = None) -> None:
+        super().__init__(cache, limits=limits)
         self.started: Counter[tuple[str, str]] = Counter()
         self.finished: Counter[tuple[str, str]] = Counter()
 
@@ -72,8 +81,9 @@ class RecordingServicer(XdsServicer):
 
 
 @contextlib.asynccontextmanager
-async def serving(cache: SnapshotCache) -> AsyncIterator[tuple[RecordingServicer, str]]:
-    servicer = RecordingServicer(cache)
+async def serving(cache: SnapshotCache, limits: StreamLimits | None = None
+                  ) -> AsyncIterator[tuple[RecordingServicer, str]]:
+    servicer = RecordingServicer(cache, limits)
     server, port = await start_xds_server(servicer, "127.0.0.1:0")
     try:
         yield servicer, f"127.0.0.1:{port}"
@@ -182,7 +192,8 @@ def test_stuck_stream_delays_nobody_and_coalesces(shared_connection, huge):
         eds_bytes = sum(len(r.payload) for r in current(cache).of_type(T.ENDPOINT).values())
         assert (eds_bytes > STUCK_WINDOW) == huge
         options = channel_options(64 * 2**20)  # the point here is flow control, not 4 MiB
-        async with serving(cache) as (servicer, target), \
+        async with serving(cache, StreamLimits(max_response_bytes=64 * 2**20)) as (
+                servicer, target), \
                 grpc.aio.insecure_channel(target, options=options) as stuck_channel:
             stuck = await _stuck_stream(stuck_channel, sorted(current(cache).of_type(T.ENDPOINT)))
             await eventually(lambda: servicer.started["stuck", "eds"] == 1)
@@ -271,23 +282,56 @@ def test_fifty_thousand_endpoints_fit_in_one_response_under_4_mib():
     assert abs(split - single) < 0.05 * single
 
 
-@pytest.mark.xfail(strict=True, reason="trimtab puts every changed CLA in one response: over "
-                   "4 MiB (~130k endpoints) an Envoy-default client refuses it; see docs/scale.md")
-def test_full_push_over_4_mib_reaches_an_envoy_default_client():
-    weights = {f"pool-{p:03d}": {f"10.{p}.{e >> 8}.{e & 255}:8000": 50 for e in range(1000)}
-               for p in range(160)}  # 160,000 endpoints in 160 CLAs of ~30 KB
+def _big_weights(pools: int, per_pool: int = 1000) -> dict[str, dict[str, int]]:
+    return {f"pool-{p:03d}": {f"10.{p}.{e >> 8}.{e & 255}:8000": 50 for e in range(per_pool)}
+            for p in range(pools)}
+
+
+class SizeRecordingServicer(RecordingServicer):
+    """Also records the size of every response written, per API and type."""
+
+    def __init__(self, cache: SnapshotCache) -> None:
+        super().__init__(cache)
+        self.sizes: list[tuple[str, str, int]] = []
+
+    async def _send(self, info: StreamInfo, response: Response,
+                    context: grpc.aio.ServicerContext) -> None:
+        data = encode_sotw(response) if info.api == "sotw" else encode_delta(response)
+        self.sizes.append((info.api, T.short_name(response.type_url), len(data)))
+        await super()._send(info, response, context)
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_full_push_over_4_mib_reaches_an_envoy_default_client(api):
+    """160,000 endpoints in 160 CLAs of ~30 KB: ~4.7 MiB of EDS, split into parts that each
+    fit Envoy's 4 MiB default; the client (4 MiB receive limit) gets and ACKs every CLA."""
+    weights = _big_weights(160)
 
     async def body() -> None:
         cache = SnapshotCache()
         cache.set_snapshot(snapshot(weights))
-        tracker, stats = Tracker(), ClientStats("big", "sotw")
+        tracker, stats = Tracker(), ClientStats("big", api)
         tracker.expect(0, cla_keys(current(cache), None))
-        async with serving(cache) as (_, target):
-            task = asyncio.create_task(run_client(target, stats, tracker, ENVOY_MAX_RECEIVE))
+        servicer = SizeRecordingServicer(cache)
+        server, port = await start_xds_server(servicer, "127.0.0.1:0")
+        try:
+            task = asyncio.create_task(run_client(f"127.0.0.1:{port}", stats, tracker,
+                                                  ENVOY_MAX_RECEIVE, retry=False))
             with contextlib.suppress(AssertionError):
-                await eventually(lambda: stats.done or stats.error is not None)
+                await eventually(lambda: stats.done or stats.error is not None, timeout=20)
+            assert stats.error is None and stats.done, stats.error
+            [info] = servicer.streams
+            await eventually(lambda: info.machine.types[T.ENDPOINT].pending_nonce is None)
+            eds = info.machine.types[T.ENDPOINT]
+            full = current(cache).versions[T.ENDPOINT]
+            assert eds.acked_version == full and not eds.more  # the last part was ACKed
+            assert eds.sent == {n: r.version for n, r in current(cache).of_type(T.ENDPOINT).items()}
             task.cancel()
-        assert stats.error is None and stats.done, stats.error
+        finally:
+            await server.stop(None)
+        eds_sizes = [size for _, kind, size in servicer.sizes if kind == "eds"]
+        assert len(eds_sizes) == 2 and sum(eds_sizes) > ENVOY_MAX_RECEIVE
+        assert max(size for _, _, size in servicer.sizes) + 5 <= ENVOY_MAX_RECEIVE
 
     asyncio.run(body())
 
@@ -377,7 +421,7 @@ def test_nacked_version_is_never_resent_while_others_update(api):
                 nonce, got = await client.read()
                 assert got == {"b": _payload(current(cache), "b")}
                 await client.answer(nonce)
-            await _reconnect_skips_rejected(channel, api, cache, _payload(bad, "a"))
+            await _new_stream_gets_current_state(channel, api, cache, _payload(bad, "a"))
             cache.set_snapshot(snapshot(_weights(60, 15)))  # a *different* version of a is sent
             nonce, got = await client.read()
             assert got == {"a": _payload(current(cache), "a")}
@@ -387,12 +431,83 @@ def test_nacked_version_is_never_resent_while_others_update(api):
     asyncio.run(body())
 
 
-async def _reconnect_skips_rejected(channel: grpc.aio.Channel, api: str, cache: SnapshotCache,
-                                    rejected: bytes) -> None:
-    """The same node on a new stream (a reconnect) gets b, and still not the rejected a."""
+async def _new_stream_gets_current_state(channel: grpc.aio.Channel, api: str,
+                                         cache: SnapshotCache, rejected: bytes) -> None:
+    """The same node id on a new stream (a reconnect, or anyone claiming it) gets the current
+    state, the version the first stream rejected included: NACK memory is per stream. It may
+    NACK that version once; it is then not re-sent on that stream either."""
     again = Scripted(channel, api, "nacker")
     await again.subscribe(["a", "b"])
-    _, got = await again.read()
-    assert got == {"b": _payload(current(cache), "b")}
-    assert rejected not in [v for _, v in again.seen]
+    nonce, got = await again.read()
+    assert got == {"a": rejected, "b": _payload(current(cache), "b")}
+    await again.answer(nonce, error="LoadBalancingWeight: value must be >= 1")
+    await again.subscribe(["a", "b"])  # a re-subscription, no nonce: nothing rejected is re-sent
+    with pytest.raises(asyncio.TimeoutError):  # (that NACK rejected the response: a and b)
+        await asyncio.wait_for(again.read(), 0.5)
     again.call.cancel()
+
+
+# ---- one client's NACKs never suppress another's config ---------------------------------------
+
+class Impostor:
+    """An ADS client that claims `node` and NACKs every response it gets, on CDS, EDS, LDS
+    and RDS, asking for each type as Envoy does; it keeps its stream open."""
+
+    def __init__(self, channel: grpc.aio.Channel, api: str, node: str) -> None:
+        self.api = api
+        method = "DeltaAggregatedResources" if api == "delta" else "StreamAggregatedResources"
+        self.call = channel.stream_stream(ADS + method)()
+        self.node = node
+        self.nacked: Counter[str] = Counter()
+
+    def _request(self, type_url: str, names: list[str], nonce: str = "",
+                 error: str | None = None) -> bytes:
+        status = status_pb2.Status(code=3, message=error) if error else None
+        node = {"id": self.node} if not nonce and type_url == T.CLUSTER else None
+        if self.api == "delta":
+            return DeltaDiscoveryRequest(node=node, type_url=type_url, response_nonce=nonce,
+                                         resource_names_subscribe=[] if nonce else names,
+                                         error_detail=status).SerializeToString()
+        return DiscoveryRequest(node=node, type_url=type_url, resource_names=names,
+                                response_nonce=nonce, error_detail=status).SerializeToString()
+
+    async def run(self, snap: Snapshot) -> None:
+        wanted = {T.CLUSTER: [], T.ENDPOINT: sorted(snap.of_type(T.ENDPOINT)), T.LISTENER: [],
+                  T.ROUTE: sorted(snap.of_type(T.ROUTE))}
+        for type_url, names in wanted.items():
+            await self.call.write(self._request(type_url, names))
+        while True:
+            raw = await self.call.read()
+            if raw is grpc.aio.EOF:
+                return
+            if self.api == "delta":
+                resp: DiscoveryResponse | DeltaDiscoveryResponse = DeltaDiscoveryResponse.FromString(raw)
+            else:
+                resp = DiscoveryResponse.FromString(raw)
+            self.nacked[T.short_name(resp.type_url)] += 1
+            await self.call.write(self._request(resp.type_url, wanted[resp.type_url],
+                                                resp.nonce, "rejected by an impostor"))
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_an_impostor_nacking_everything_as_victim_does_not_deny_victim_its_config(api):
+    async def body() -> None:
+        cache = SnapshotCache()
+        cache.set_snapshot(_pool_snapshot(3, 2))
+        async with serving(cache) as (servicer, target), \
+                grpc.aio.insecure_channel(target) as channel:
+            impostor = Impostor(channel, api, "victim")
+            attack = asyncio.create_task(impostor.run(current(cache)))
+            await eventually(lambda: set(impostor.nacked) == {"cds", "eds", "lds", "rds"})
+            tracker, stats = Tracker(), ClientStats("victim", api)
+            tracker.expect(0, cla_keys(current(cache), None))
+            victim = asyncio.create_task(run_client(target, stats, tracker, retry=False))
+            await eventually(lambda: len(stats.done) == 1 or stats.error is not None)
+            assert stats.error is None and stats.got == {T.CLUSTER, T.ENDPOINT, T.LISTENER,
+                                                         T.ROUTE}
+            assert sorted(s.node_id for s in servicer.streams) == ["victim", "victim"]
+            assert dict(impostor.nacked) == {"cds": 1, "eds": 1, "lds": 1, "rds": 1}  # once each
+            victim.cancel()
+            attack.cancel()
+
+    asyncio.run(body())

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
+import gzip
 import json
 import os
 import shutil
 import socket
 import subprocess
 import time
+import tracemalloc
 from collections.abc import Callable
 from contextlib import closing
 from pathlib import Path
@@ -185,6 +188,8 @@ def test_source_validates_arguments() -> None:
     with pytest.raises(ValueError):
         PromQLSource("http://p:9090", timeout_seconds=0)
     with pytest.raises(ValueError):
+        PromQLSource("http://p:9090", max_body_bytes=0)
+    with pytest.raises(ValueError):
         PromQLSource("http://p:9090", queries={})
 
 
@@ -279,6 +284,116 @@ def test_prometheus_down_is_an_error_per_signal() -> None:
     assert result.values == {}
     assert set(result.errors) == set(default_queries())
     assert all(e.startswith("connect: ") for e in result.errors.values())
+
+
+# --- answers over the size limit -----------------------------------------------------------
+
+LIMIT = 1024 * 1024  # bytes of decompressed answer the tests allow
+
+
+def _padded_answer(padding: int) -> bytes:
+    """A valid answer (JSON allows the whitespace) of ``padding`` bytes and more."""
+    return vector(({"instance": "10.0.0.1:8000"}, "0.5")).encode() + b" " * padding
+
+
+@functools.cache
+def _bomb() -> bytes:
+    return gzip.compress(_padded_answer(64 * 1024 * 1024), compresslevel=6)
+
+
+async def _oversized_prometheus() -> tuple[web.AppRunner, str, dict[str, int]]:
+    """``q_bomb``: 64 MiB of answer, gzipped to ~64 KiB; ``q_endless``: a chunked body that
+    never ends (its bytes sent are counted); ``q_kv``: a normal answer."""
+    bomb = _bomb()
+    sent = {"endless": 0}
+
+    async def query(request: web.Request) -> web.StreamResponse:
+        q = request.query["query"]
+        if q == "q_bomb":
+            return web.Response(body=bomb, headers={"Content-Encoding": "gzip",
+                                                    "Content-Type": "application/json"})
+        if q == "q_endless":
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            await resp.prepare(request)
+            await resp.write(_padded_answer(0))
+            chunk = b" " * 65536
+            while True:  # until the client goes away
+                await resp.write(chunk)
+                sent["endless"] += len(chunk)
+        return web.Response(text=FAKE_ANSWERS[q][1], content_type="application/json")
+
+    app = web.Application()
+    app.router.add_get("/api/v1/query", query)
+    runner = web.AppRunner(app, shutdown_timeout=1.0)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}/", sent
+
+
+def _fetch_traced(queries: dict[str, str]) -> tuple[PromQLResult, int, float, dict[str, int]]:
+    """Fetch ``queries`` once; also the peak traced memory and the time it took."""
+    async def scenario() -> tuple[PromQLResult, int, float, dict[str, int]]:
+        runner, url, sent = await _oversized_prometheus()
+        source = PromQLSource(url, queries=queries, timeout_seconds=20.0, max_body_bytes=LIMIT)
+        tracemalloc.start()
+        try:
+            started = time.monotonic()
+            result = await source.fetch()
+            elapsed = time.monotonic() - started
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+            await source.close()
+            await runner.cleanup()
+        return result, peak, elapsed, sent
+
+    return asyncio.run(scenario())
+
+
+def test_a_gzip_bomb_answer_fails_its_query_at_the_limit() -> None:
+    result, peak, elapsed, _ = _fetch_traced({"kv": "q_kv", "bomb": "q_bomb"})
+    assert result.errors == {"bomb": f"size: Prometheus answer larger than {LIMIT} bytes "
+                                      f"(decompressed); stopped reading, query not used"}
+    assert result.values == {"10.0.0.1:8000": {"kv": 0.5}, "10.0.0.2:8000": {"kv": 0.1}}
+    assert peak < 8 * LIMIT, f"peak {peak} bytes: the 64 MiB answer was not cut at the limit"
+
+
+def test_an_endless_answer_stops_at_the_limit_not_the_timeout() -> None:
+    result, peak, elapsed, sent = _fetch_traced({"endless": "q_endless"})
+    assert result.errors["endless"].startswith(f"size: Prometheus answer larger than {LIMIT}")
+    assert result.values == {}
+    assert elapsed < 10.0  # the 20 s timeout was not what stopped it
+    assert peak < 8 * LIMIT, f"peak {peak} bytes: reading did not stop at the limit"
+    assert sent["endless"] < 32 * LIMIT  # the server saw the client stop reading
+
+
+def test_an_oversized_answer_leaves_its_endpoints_without_telemetry() -> None:
+    """Through the source a pool uses: the only query fails, so every endpoint's read is an
+    error (it goes stale), saying why."""
+    from xds_server.config import parse_config
+    from xds_server.sources import PrometheusSource
+
+    async def scenario() -> dict[str, object]:
+        runner, url, _ = await _oversized_prometheus()
+        config = parse_config({
+            "telemetry": {"source": "prometheus",
+                          "prometheus": {"url": url, "queries": {"kv_usage": "q_bomb"}}},
+            "pools": [{"name": "p", "model": "m",
+                       "endpoints": [{"address": "10.0.0.1:8000"}]}]})
+        source = PrometheusSource(config, timeout_seconds=20.0)
+        source.source = PromQLSource(url, queries={"kv_usage": "q_bomb"}, timeout_seconds=20.0,
+                                     max_body_bytes=LIMIT)
+        try:
+            return await source.collect(config.pools[0].endpoints, lambda: 1000.0)
+        finally:
+            await source.close()
+            await runner.cleanup()
+
+    results = asyncio.run(scenario())
+    read = results["10.0.0.1:8000"]
+    assert read.signals is None
+    assert read.error == (f"prometheus: kv_usage: size: Prometheus answer larger than {LIMIT} "
+                          f"bytes (decompressed); stopped reading, query not used")
 
 
 # --- against a real Prometheus server -------------------------------------------------------

@@ -8,16 +8,22 @@ from google.rpc import status_pb2
 
 from tests.xds_fixtures import BASE, snapshot
 from xds_server import type_urls as T
-from xds_server.cache import MAX_REJECTION_NODES, SnapshotCache
 from xds_server.protocol import (
+    MAX_REJECTED_VERSIONS,
+    MAX_RESOURCE_NAMES,
+    RESPONSE_HEADROOM,
     Ack,
     DeltaStream,
     Nack,
     ProtocolError,
     Rejections,
+    ResourceLimitExceeded,
     SotwStream,
     StaleNonce,
+    StreamLimits,
+    Withheld,
 )
+from xds_server.transport import encode_delta, encode_sotw
 
 
 def sotw(type_url: str, names=(), nonce: str = "", version: str = "", error: str | None = None,
@@ -185,29 +191,209 @@ def test_protocol_errors_are_the_peers():
     assert per_type.responses(snapshot(BASE))[0].type_url == T.CLUSTER
 
 
-def test_rejections_survive_a_reconnect_of_the_same_node():
+def test_a_nacked_state_is_never_resent_on_that_stream_even_after_a_resubscription():
+    s = SotwStream()
+    s.receive(sotw(T.CLUSTER))
+    [resp] = s.responses(snapshot(BASE))
+    s.receive(sotw(T.CLUSTER, nonce=resp.nonce, error="no"))
+    s.receive(sotw(T.CLUSTER))  # a request without nonce would otherwise force an answer
+    assert s.responses(snapshot(BASE)) == []
+    [nxt] = s.responses(snapshot({**BASE, "c": {"10.0.2.1:80": 1}}))  # a different state is sent
+    assert [r.name for r in nxt.resources] == ["a", "b", "c"]
+
+
+def test_nack_memory_belongs_to_the_stream_so_a_new_stream_gets_the_current_state():
+    snap = snapshot(BASE)
+    first = SotwStream()
+    first.receive(sotw(T.CLUSTER, node="victim"))
+    [resp] = first.responses(snap)
+    first.receive(sotw(T.CLUSTER, nonce=resp.nonce, error="no"))
+    again = SotwStream()  # the same node id on a new stream has rejected nothing yet
+    again.receive(sotw(T.CLUSTER, node="victim"))
+    [resp2] = again.responses(snap)
+    assert resp2.version == resp.version and [r.name for r in resp2.resources] == ["a", "b"]
+
+
+def test_rejection_memory_is_bounded_per_resource():
     memory = Rejections()
-    s1 = SotwStream(rejections=memory)
-    s1.receive(sotw(T.CLUSTER))
-    [resp] = s1.responses(snapshot(BASE))
-    s1.receive(sotw(T.CLUSTER, nonce=resp.nonce, error="no"))
-    s2 = SotwStream(rejections=memory)
-    s2.receive(sotw(T.CLUSTER))
-    assert s2.responses(snapshot(BASE)) == []
+    for i in range(3 * MAX_REJECTED_VERSIONS):
+        memory.record(T.ENDPOINT, {"a": f"v{i}"}, f"s{i}")
+    kept = memory.of_type(T.ENDPOINT)["a"]
+    assert len(kept) == MAX_REJECTED_VERSIONS and kept[-1] == f"v{3 * MAX_REJECTED_VERSIONS - 1}"
+    assert memory.resource_rejected(T.ENDPOINT, "a", kept[0])
+    assert not memory.resource_rejected(T.ENDPOINT, "a", "v0")  # the oldest was forgotten
+    assert len(memory.states[T.ENDPOINT]) == MAX_REJECTED_VERSIONS
 
 
-def test_nack_memory_is_kept_for_a_bounded_number_of_node_ids():
-    assert SnapshotCache().max_rejection_nodes == MAX_REJECTION_NODES
-    cache = SnapshotCache(max_rejection_nodes=3)
-    cache.rejections_for("n0").record(T.CLUSTER, {}, "v-bad")
-    held = cache.rejections_for("n1")  # a stream of n1 is still open
-    cache.rejections_for("n2")
-    assert cache.rejections_for("n0").states == {T.CLUSTER: {"v-bad"}}  # used: most recent
-    for i in range(3, 1000):
-        cache.rejections_for(f"n{i}")
-        assert cache.rejection_nodes <= 3
-    assert cache.rejections_for("n1") is held  # a stream's memory is shared while it is held
-    assert cache.rejections_for("n0").states == {}  # forgotten: seen too long ago
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_node_claimed_after_the_first_request_is_ignored(api):
+    machine, request = (SotwStream(), sotw) if api == "sotw" else (DeltaStream(), delta)
+    machine.receive(request(T.CLUSTER, node="edge-1"))
+    machine.receive(request(T.ENDPOINT, node="victim"))
+    assert machine.node is not None and machine.node.id == "edge-1"
+    anonymous = SotwStream() if api == "sotw" else DeltaStream()
+    anonymous.receive(request(T.CLUSTER))  # authorised as no node at all
+    anonymous.receive(request(T.ENDPOINT, node="victim"))
+    assert anonymous.node is None
+
+
+# ---- Limits: names per subscription ---------------------------------------------------------
+
+def test_sotw_subscription_above_max_resource_names_is_the_peers_fault():
+    s = SotwStream(limits=StreamLimits(max_resource_names=3))
+    s.receive(sotw(T.ENDPOINT, names=["a", "b", "c", "*"]))  # the wildcard is not a name
+    with pytest.raises(ResourceLimitExceeded, match=r"4 eds resource names.*at most 3.*"
+                                                    r"max_resource_names"):
+        s.receive(sotw(T.ENDPOINT, names=["a", "b", "c", "d"]))
+    assert issubclass(ResourceLimitExceeded, ProtocolError)
+    assert StreamLimits().max_resource_names == MAX_RESOURCE_NAMES
+
+
+def test_delta_subscriptions_count_towards_max_resource_names_cumulatively():
+    d = DeltaStream(limits=StreamLimits(max_resource_names=3))
+    d.receive(delta(T.ENDPOINT, sub=["a", "b"]))
+    d.receive(delta(T.ENDPOINT, sub=["c"], unsub=["a"]))
+    d.receive(delta(T.ENDPOINT, sub=["a"], unsub=["b"]))  # a, c: never more than 3
+    with pytest.raises(ResourceLimitExceeded):
+        d.receive(delta(T.ENDPOINT, sub=["x", "y"]))  # 4 names held
+    with pytest.raises(ResourceLimitExceeded, match="initial_resource_versions"):
+        DeltaStream(limits=StreamLimits(max_resource_names=3)).receive(
+            delta(T.CLUSTER, initial={n: "v" for n in "abcd"}))
+
+
+# ---- Limits: response size, parts ------------------------------------------------------------
+
+def _many(count: int, endpoints: int = 8) -> dict:
+    return {f"c{i:02d}": {f"10.0.{i}.{e}:80": 1 + e for e in range(endpoints)} for i in range(count)}
+
+
+def _limits_for(snap, per_part: int, api: str = "delta") -> StreamLimits:
+    """Room for `per_part` of the snapshot's (about equal-sized) CLAs per response."""
+    size = max(len(r.delta_field if api == "delta" else r.sotw_field)
+               for r in snap.of_type(T.ENDPOINT).values())
+    return StreamLimits(max_response_bytes=RESPONSE_HEADROOM + per_part * size + size // 2)
+
+
+def _drain(machine, request, snap, type_url=T.ENDPOINT, nack=frozenset(), **subscribe):
+    """Answer every response until nothing more is sent; returns them. NACKs the parts
+    carrying a name in `nack`."""
+    out = []
+    while True:
+        got = machine.responses(snap)
+        if not got:
+            return out
+        for resp in got:
+            out.append(resp)
+            bad = nack & {r.name for r in resp.resources}
+            kwargs = dict(subscribe) if request is sotw else {}
+            if request is sotw:
+                kwargs["version"] = resp.version
+            machine.receive(request(resp.type_url, nonce=resp.nonce,
+                                    error="bad" if bad else None, **kwargs))
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_push_larger_than_max_response_bytes_is_split_into_parts_sent_one_at_a_time(api):
+    snap = snapshot(_many(10))
+    limits = _limits_for(snap, 3, api)
+    machine = SotwStream(limits=limits) if api == "sotw" else DeltaStream(limits=limits)
+    request = sotw if api == "sotw" else delta
+    subscribe = {"names": sorted(snap.of_type(T.ENDPOINT))} if api == "sotw" else {}
+    machine.receive(request(T.ENDPOINT, **(subscribe or {"sub": sorted(snap.of_type(T.ENDPOINT))})))
+    [first] = machine.responses(snap)
+    assert machine.responses(snap) == []  # one part in flight at a time
+    machine.receive(request(T.ENDPOINT, nonce=first.nonce, version=first.version, **subscribe)
+                    if api == "sotw" else request(T.ENDPOINT, nonce=first.nonce))
+    parts = [first, *_drain(machine, request, snap, **subscribe)]
+    encode = encode_sotw if api == "sotw" else encode_delta
+    assert len(parts) == 4 and all(len(encode(p)) <= limits.part_bytes + 300 for p in parts)
+    assert all(len(encode(p)) + 5 <= limits.max_response_bytes for p in parts)
+    names = [r.name for p in parts for r in p.resources]
+    assert sorted(names) == sorted(snap.of_type(T.ENDPOINT)) and len(set(names)) == 10
+    full = snap.versions[T.ENDPOINT]  # every CLA is subscribed: SotW's version is the type's
+    assert [p.version for p in parts] == [f"{full}+7", f"{full}+4", f"{full}+1", full]
+    assert machine.types[T.ENDPOINT].acked_version == parts[-1].version
+    assert _drain(machine, request, snap, **subscribe) == []
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_nacked_part_is_not_resent_and_the_other_parts_still_arrive(api):
+    snap = snapshot(_many(10))
+    limits = _limits_for(snap, 3, api)
+    machine = SotwStream(limits=limits) if api == "sotw" else DeltaStream(limits=limits)
+    request = sotw if api == "sotw" else delta
+    names = sorted(snap.of_type(T.ENDPOINT))
+    subscribe = {"names": names} if api == "sotw" else {}
+    machine.receive(request(T.ENDPOINT, **(subscribe or {"sub": names})))
+    parts = _drain(machine, request, snap, nack=frozenset({"c04"}), **subscribe)
+    got = [r.name for p in parts for r in p.resources]
+    assert sorted(got) == names and len(got) == 10  # the NACKed part's CLAs were not resent
+    nacked = next(p for p in parts if "c04" in {r.name for r in p.resources})
+    assert all(machine.rejections.resource_rejected(T.ENDPOINT, r.name, r.version)
+               for r in nacked.resources)
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_snapshot_published_between_parts_is_what_the_rest_of_the_push_carries(api):
+    before, after = _published(_many(10), changed(_many(10), "c09", "10.0.9.0:80", 77))
+    limits = _limits_for(before, 5, api)
+    machine = SotwStream(limits=limits) if api == "sotw" else DeltaStream(limits=limits)
+    request = sotw if api == "sotw" else delta
+    names = sorted(before.of_type(T.ENDPOINT))
+    subscribe = {"names": names} if api == "sotw" else {}
+    machine.receive(request(T.ENDPOINT, **(subscribe or {"sub": names})))
+    [first] = machine.responses(before)
+    assert first.version.endswith("+5")
+    machine.receive(request(T.ENDPOINT, nonce=first.nonce, version=first.version, **subscribe)
+                    if api == "sotw" else request(T.ENDPOINT, nonce=first.nonce))
+    rest = _drain(machine, request, after, **subscribe)
+    held = {r.name: r.version for p in [first, *rest] for r in p.resources}
+    assert held == {n: r.version for n, r in after.of_type(T.ENDPOINT).items()}
+    assert rest[-1].version == (after.versions[T.ENDPOINT] if api == "delta"
+                                else after.subset(T.ENDPOINT, frozenset(names))[1])
+
+
+def test_a_sotw_reconnect_holding_only_some_parts_gets_everything_again():
+    snap = snapshot(_many(10))
+    limits = _limits_for(snap, 5, "sotw")
+    names = sorted(snap.of_type(T.ENDPOINT))
+    s = SotwStream(limits=limits)
+    s.receive(sotw(T.ENDPOINT, names=names))
+    [first] = s.responses(snap)
+    s.receive(sotw(T.ENDPOINT, names=names, nonce=first.nonce, version=first.version))
+    again = SotwStream(limits=limits)  # the stream broke after part 1 was ACKed
+    again.receive(sotw(T.ENDPOINT, names=names, version=first.version))
+    parts = _drain(again, sotw, snap, names=names)
+    assert sorted(r.name for p in parts for r in p.resources) == names
+
+
+def test_a_resource_that_alone_exceeds_the_limit_is_withheld_and_the_rest_is_sent():
+    weights = {**_many(3), "huge": {f"10.9.{e >> 8}.{e & 255}:80": 1 for e in range(200)}}
+    snap = snapshot(weights)
+    limits = _limits_for(snapshot(_many(3)), 3)
+    d = DeltaStream(limits=limits)
+    d.receive(delta(T.ENDPOINT, sub=sorted(weights)))
+    parts = _drain(d, delta, snap)
+    assert sorted(r.name for p in parts for r in p.resources) == ["c00", "c01", "c02"]
+    [notice] = d.take_notices()
+    huge = snap.of_type(T.ENDPOINT)["huge"]
+    assert notice == Withheld(T.ENDPOINT, huge.version, ("huge",), len(huge.delta_field),
+                              limits.part_bytes)
+    assert _drain(d, delta, snap) == [] and d.take_notices() == []  # once per version
+
+
+def test_a_whole_state_type_over_the_limit_is_withheld_never_split():
+    snap = snapshot(_many(10))
+    size = sum(len(r.sotw_field) for r in snap.of_type(T.CLUSTER).values())
+    s = SotwStream(limits=StreamLimits(max_response_bytes=RESPONSE_HEADROOM + size - 1))
+    s.receive(sotw(T.CLUSTER))
+    assert s.responses(snap) == []
+    [notice] = s.take_notices()
+    assert (notice.type_url, notice.version, len(notice.names), notice.size) == (
+        T.CLUSTER, snap.versions[T.CLUSTER], 10, size)
+    fits = snapshot(_many(9))
+    [resp] = s.responses(fits)  # the next state that fits is sent, whole
+    assert len(resp.resources) == 9 and resp.version == fits.versions[T.CLUSTER]
 
 
 # ---- Delta --------------------------------------------------------------------------------
@@ -384,3 +570,11 @@ def test_snapshots_published_while_a_response_is_in_flight_all_reach_the_client(
     assert {r.name: r.version for r in second.resources} == {
         name: s2.of_type(T.ENDPOINT)[name].version for name in ("a", "b")}
     assert second.removed == (("c",) if api == "delta" else ())
+
+
+def test_a_request_far_over_max_resource_names_is_refused_on_its_raw_count():
+    s = SotwStream(limits=StreamLimits(max_resource_names=3))
+    with pytest.raises(ResourceLimitExceeded, match="subscribes to 6 eds"):
+        s.receive(sotw(T.ENDPOINT, names=["a", "a", "a", "a", "b", "*"]))  # 5 + "*": too many
+    s.receive(sotw(T.ENDPOINT, names=["a", "a", "b", "*"]))  # 3 + "*", 2 distinct: accepted
+    assert s.types[T.ENDPOINT].names == {"a", "b"} and s.types[T.ENDPOINT].wildcard

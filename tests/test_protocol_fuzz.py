@@ -12,13 +12,23 @@ from __future__ import annotations
 import copy
 import os
 
+import pytest
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DiscoveryRequest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.xds_fixtures import snapshot
 from xds_server import type_urls as T
-from xds_server.protocol import DeltaStream, Nack, ProtocolError, Response, SotwStream
+from xds_server.protocol import (
+    RESPONSE_HEADROOM,
+    DeltaStream,
+    Nack,
+    ProtocolError,
+    Response,
+    SotwStream,
+    StreamLimits,
+)
+from xds_server.transport import encode_delta, encode_sotw
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 TYPES = [T.CLUSTER, T.ENDPOINT, T.LISTENER, T.ROUTE, ""]
@@ -90,7 +100,9 @@ class Checker:
         expected = reference.responses(self.snapshot)
         responses = self.machine.responses(self.snapshot)
         assert [_key(r) for r in responses] == [_key(r) for r in expected]
+        encode = encode_delta if self.delta else encode_sotw
         for response in responses:
+            assert len(encode(response)) + 5 <= self.machine.limits.max_response_bytes
             full = not self.delta and response.type_url in T.FULL_STATE_TYPES
             if full:
                 assert (response.type_url, response.version) not in self.rejected_states
@@ -113,19 +125,30 @@ class Checker:
             self.request(type_url, nonce, names, error, version)
 
 
+# None: the default limits (nothing is split); 260: the fuzz snapshots' EDS goes out in parts of
+# two CLAs, Delta CDS too; 200: also withholds SotW CDS (3 clusters) and the Listener.
+LIMITS = [None, RESPONSE_HEADROOM + 260, RESPONSE_HEADROOM + 200]
+
+
+def _limits(max_bytes: int | None) -> StreamLimits:
+    return StreamLimits() if max_bytes is None else StreamLimits(max_response_bytes=max_bytes)
+
+
+@pytest.mark.parametrize("max_bytes", LIMITS, ids=["default", "parts", "withheld"])
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
-def test_sotw_never_resends_a_nacked_version(sequence):
-    checker = Checker(SotwStream(), delta=False)
+def test_sotw_never_resends_a_nacked_version(max_bytes, sequence):
+    checker = Checker(SotwStream(limits=_limits(max_bytes)), delta=False)
     for op in sequence:
         checker.run(op)
     assert len(checker.machine.types) <= 4
 
 
+@pytest.mark.parametrize("max_bytes", LIMITS, ids=["default", "parts", "withheld"])
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops)
-def test_delta_never_resends_a_nacked_version(sequence):
-    checker = Checker(DeltaStream(), delta=True)
+def test_delta_never_resends_a_nacked_version(max_bytes, sequence):
+    checker = Checker(DeltaStream(limits=_limits(max_bytes)), delta=True)
     for op in sequence:
         checker.run(op)
     assert len(checker.machine.types) <= 4

@@ -15,9 +15,12 @@ from xds_server.cache import SnapshotCache
 from xds_server.protocol import Response
 from xds_server.snapshot import (
     EMPTY_TYPE_VERSION,
+    MAX_SUBSET_BYTES,
     InconsistentSnapshotError,
+    SubsetMemo,
     TypeChange,
     build_snapshot,
+    subset_entry_bytes,
     type_version,
 )
 from xds_server.transport import encode_delta, encode_sotw
@@ -111,11 +114,54 @@ def test_type_versions_and_subsets_are_precomputed_and_shared():
     for type_url in (T.CLUSTER, T.ENDPOINT, T.LISTENER, T.ROUTE):
         assert snap.type_version_of(type_url) == type_version(snap.of_type(type_url))
     assert snap.type_version_of("type.googleapis.com/unknown") == EMPTY_TYPE_VERSION
-    wanted, version = snap.subset(T.ENDPOINT, frozenset({"b", "a", "ghost"}))
+    wanted, version = snap.subset(T.ENDPOINT, frozenset({"b", "a"}))
     assert list(wanted) == ["a", "b"] and version == type_version(wanted)
-    assert snap.subset(T.ENDPOINT, frozenset({"a", "b", "ghost"}))[0] is wanted  # computed once
+    assert snap.subset(T.ENDPOINT, frozenset({"a", "b"}))[0] is wanted  # computed once
     only_b, only_b_version = snap.subset(T.ENDPOINT, frozenset({"b"}))
     assert list(only_b) == ["b"] and only_b_version == type_version(only_b) != version
+    assert len(snap.subset_memo) == 2
+
+
+def test_a_subset_naming_what_the_snapshot_lacks_is_answered_but_never_memoised():
+    snap = snapshot(BASE)
+    made_up = frozenset({"a", *(f"ghost-{i}" for i in range(10_000))})
+    wanted, version = snap.subset(T.ENDPOINT, made_up)
+    assert list(wanted) == ["a"] and version == type_version(wanted)
+    assert len(snap.subset_memo) == 0 and snap.subset_memo.bytes == 0
+    present = made_up & snap.names_of(T.ENDPOINT)
+    assert snap.subset(T.ENDPOINT, present) == (wanted, version) and len(snap.subset_memo) == 1
+
+
+def test_the_subset_memo_counts_bytes_and_stays_within_its_budget():
+    snap = snapshot({f"c{i:03d}": {"10.0.0.1:80": 1} for i in range(200)})
+    names = sorted(snap.names_of(T.ENDPOINT))
+    keys = [frozenset(names[i:i + 50]) for i in range(0, 150, 10)]
+    values = [snap.subset(T.ENDPOINT, key) for key in keys]
+    memo = snap.subset_memo
+    assert memo.bytes == sum(subset_entry_bytes(k, v) for k, v in zip(keys, values, strict=True))
+    assert memo.max_bytes == MAX_SUBSET_BYTES and memo.bytes > 15 * 50 * 100  # names, dict slots
+    small = SubsetMemo(max_bytes=3 * subset_entry_bytes(keys[0], values[0]))
+    for key, value in zip(keys, values, strict=True):
+        small.put((T.ENDPOINT, key), value)
+        assert small.bytes <= small.max_bytes
+    assert len(small) == 3 and small.get((T.ENDPOINT, keys[-1])) is values[-1]
+    assert small.get((T.ENDPOINT, keys[0])) is None  # least recently used went first
+    tiny = SubsetMemo(max_bytes=100)
+    tiny.put((T.ENDPOINT, keys[0]), values[0])  # larger than the whole budget: not kept
+    assert len(tiny) == 0 and tiny.bytes == 0
+
+
+def test_names_of_is_shared_with_the_previous_snapshot_while_the_names_do_not_change():
+    cache = SnapshotCache()
+    cache.set_snapshot(snapshot(BASE))
+    first = cache.snapshot
+    cache.set_snapshot(snapshot({**BASE, "a": {"10.0.0.1:80": 3}}))  # new weights, same names
+    second = cache.snapshot
+    assert first is not None and second is not None and second.version != first.version
+    assert second.names_of(T.ENDPOINT) is first.names_of(T.ENDPOINT) == {"a", "b"}
+    cache.set_snapshot(snapshot({**BASE, "c": {"10.0.2.1:80": 1}}))
+    third = cache.snapshot
+    assert third is not None and third.names_of(T.ENDPOINT) == {"a", "b", "c"}
 
 
 def test_a_published_snapshot_records_what_changed_per_type():

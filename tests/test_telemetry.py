@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import socket
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import closing
@@ -13,12 +15,16 @@ import pytest
 from aiohttp import web
 
 from weight_calculator.types import Observation, Sample
+from xds_server import telemetry
 from xds_server.telemetry import (
     MetricsFormatError,
     Scraper,
     ScrapeResult,
     TelemetryStore,
     parse_dcgm_memory,
+    refuse_unparsed,
+    series_over,
+    too_many_series,
 )
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
@@ -263,8 +269,116 @@ def test_scrape_nothing_returns_empty() -> None:
     assert asyncio.run(scenario()) == {}
 
 
+def _gauge_page(series: int, comments_per_series: int = 0) -> str:
+    lines = ["# TYPE load gauge\n"]
+    for i in range(series):
+        lines += ["# a comment\n", "\n"] * comments_per_series
+        lines.append(f'load{{i="{i}"}} 1\n')
+    return "".join(lines)
+
+
+def test_series_over_counts_samples_only() -> None:
+    assert not series_over(_gauge_page(100, comments_per_series=3), 100)  # 701 lines, 100 series
+    assert series_over(_gauge_page(101, comments_per_series=3), 100)
+    assert series_over(_gauge_page(101), 100) and not series_over(_gauge_page(100), 100)
+    assert not series_over("  \n\t# HELP x y\n  x 1  \n", 1)  # stripped as the parser does
+    assert series_over("x 1\n  x 2", 1)  # the last line needs no newline
+
+
+def test_series_over_stops_reading_at_the_first_series_past_the_limit(monkeypatch) -> None:
+    read: list[str] = []
+
+    class CountingStringIO(io.StringIO):
+        def __next__(self) -> str:
+            line = super().__next__()
+            read.append(line)
+            return line
+
+    monkeypatch.setattr(telemetry, "io", type("io", (), {"StringIO": CountingStringIO}))
+    assert series_over(_gauge_page(100_000), 10)
+    assert len(read) == 12  # the TYPE line and 11 samples, of 100,001 lines
+
+
+def test_a_page_of_comments_or_blank_lines_is_bounded_too() -> None:
+    """Parse time follows lines, not only samples: a page of 1 series and 16 MiB of blank
+    lines or comments is refused unparsed as well."""
+    assert refuse_unparsed(_gauge_page(100, comments_per_series=1), 100) is None  # 301 lines
+    for filler in ("\n", "# c\n"):
+        page = "x 1\n" + filler * 401
+        assert not series_over(page, 100)
+        assert refuse_unparsed(page, 100) == (
+            "series: the endpoint's page has more than 400 lines "
+            "(4 × telemetry.max_series_per_page); refused without parsing it")
+
+
+def test_page_over_the_series_cap_is_refused_unparsed_and_flagged() -> None:
+    parsed: list[int] = []
+
+    def parse(text: str) -> dict[str, float]:
+        parsed.append(len(text))
+        return {"load": 1.0}
+
+    async def scenario() -> dict[str, ScrapeResult]:
+        runner, port = await _start({"/big": _text(_gauge_page(1_001)),
+                                     "/ok": _text(_gauge_page(1_000, comments_per_series=1))})
+        scraper = Scraper(timeout_seconds=5.0, parse=parse, max_series_per_page=1_000)
+        try:
+            return await scraper.scrape({"big:1": f"http://127.0.0.1:{port}/big",
+                                         "ok:1": f"http://127.0.0.1:{port}/ok"}, now=lambda: NOW)
+        finally:
+            await scraper.close()
+            await runner.cleanup()
+
+    results = asyncio.run(scenario())
+    assert results["big:1"] == ScrapeResult(None, too_many_series(1_000), NOW)
+    assert results["big:1"].error.startswith(
+        "series: the endpoint's page has more than 1000 series (telemetry.max_series_per_page)")
+    assert results["ok:1"].signals == {"load": 1.0}
+    assert parsed == [len(_gauge_page(1_000, comments_per_series=1))]  # the big page never
+
+
+def test_scraper_parses_on_the_worker_thread_while_the_loop_serves() -> None:
+    """The parse runs off the loop thread, and the loop runs other callbacks meanwhile: the
+    parser waits until the loop has ticked 20 times, which it could not if it ran there."""
+    loop_ticks = [0]
+    seen: dict[str, object] = {}
+
+    def parse(text: str) -> dict[str, float]:
+        seen["thread"] = threading.current_thread()
+        start = loop_ticks[0]
+        deadline = time.monotonic() + 10.0
+        while loop_ticks[0] < start + 20 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        seen["loop_ticks_during_parse"] = loop_ticks[0] - start
+        return {"load": 1.0}
+
+    async def ticker() -> None:
+        while True:
+            loop_ticks[0] += 1
+            await asyncio.sleep(0)
+
+    async def scenario() -> tuple[dict[str, ScrapeResult], threading.Thread]:
+        runner, port = await _start({"/m": _text("load 1\n")})
+        scraper = Scraper(timeout_seconds=15.0, parse=parse)
+        background = asyncio.create_task(ticker())
+        try:
+            return await scraper.scrape({"a:1": f"http://127.0.0.1:{port}/m"},
+                                        now=lambda: NOW), threading.current_thread()
+        finally:
+            background.cancel()
+            await scraper.close()
+            await runner.cleanup()
+
+    results, loop_thread = asyncio.run(scenario())
+    assert results["a:1"].signals == {"load": 1.0}
+    assert seen["thread"] is not loop_thread
+    assert str(getattr(seen["thread"], "name", "")).startswith("trimtab-telemetry")
+    assert seen["loop_ticks_during_parse"] >= 20
+
+
 @pytest.mark.parametrize(
-    "kwargs", [{"timeout_seconds": 0}, {"timeout_seconds": 1, "max_concurrency": 0}]
+    "kwargs", [{"timeout_seconds": 0}, {"timeout_seconds": 1, "max_concurrency": 0},
+               {"timeout_seconds": 1, "max_series_per_page": 0}]
 )
 def test_scraper_rejects_bad_settings(kwargs: dict) -> None:
     with pytest.raises(ValueError):
@@ -329,3 +443,25 @@ def test_store_forget_drops_unconfigured_endpoints() -> None:
     observations = store.observations(["a:1", "b:1", "c:1"])
     assert observations["b:1"].sample is not None
     assert observations["a:1"].sample is None and observations["c:1"].sample is None
+
+
+def test_off_loop_pauses_the_cyclic_gc_while_its_job_runs() -> None:
+    """A collection holds the GIL whichever thread runs it; the worker's jobs must not set
+    one off mid-job (the loop would wait for it). The collector's state is restored after."""
+    import gc
+
+    def job(fail: bool) -> tuple[bool, str]:
+        if fail:
+            raise RuntimeError("boom")
+        return gc.isenabled(), threading.current_thread().name
+
+    async def scenario() -> tuple[bool, str]:
+        with pytest.raises(RuntimeError):
+            await telemetry.off_loop(job, True)
+        assert gc.isenabled()
+        return await telemetry.off_loop(job, False)
+
+    assert gc.isenabled()
+    enabled_inside, thread = asyncio.run(scenario())
+    assert not enabled_inside and thread.startswith("trimtab-telemetry")
+    assert gc.isenabled()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
+import tracemalloc
 
 import grpc
 import pytest
@@ -22,15 +24,26 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 from tests.xds_fixtures import BASE, snapshot
 from xds_server import metrics, transport
 from xds_server import type_urls as T
+from xds_server.app import Trimtab
 from xds_server.cache import SnapshotCache
+from xds_server.config import ConfigError, parse_config
+from xds_server.protocol import RESPONSE_HEADROOM, StreamLimits
 from xds_server.snapshot import build_snapshot
-from xds_server.transport import INBOX_LIMIT, Inbox, XdsServicer, start_xds_server
+from xds_server.transport import (
+    INBOX_LIMIT,
+    HeapTrimmer,
+    Inbox,
+    XdsServicer,
+    held_names,
+    start_xds_server,
+)
 
 
-async def _with_server(body, channel_options: list[tuple[str, int]] | None = None):
+async def _with_server(body, channel_options: list[tuple[str, int]] | None = None,
+                       limits: StreamLimits | None = None):
     cache = SnapshotCache()
     cache.set_snapshot(snapshot(BASE))
-    servicer = XdsServicer(cache)
+    servicer = XdsServicer(cache, limits=limits)
     server, port = await start_xds_server(servicer, "127.0.0.1:0")
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=channel_options) as channel:
@@ -312,4 +325,129 @@ def test_a_client_that_writes_without_reading_is_held_to_the_inbox_bound():
         assert info.machine.types[T.CLUSTER].acked_version == big.version_info
         assert info.inbox.max_seen == INBOX_LIMIT
         call.cancel()
-    asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)]))
+    asyncio.run(_with_server(body, [("grpc.max_receive_message_length", 2 * BIG)],
+                             StreamLimits(max_response_bytes=2 * BIG)))  # one 16 MiB response
+
+
+# ---- limits: names per subscription, memory of closed streams -------------------------------
+
+ADS_SOTW = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
+ADS_DELTA = "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources"
+
+
+def _made_up(count: int, tag: str = "") -> list[str]:
+    return [f"made-up-{tag}{i:07d}" for i in range(count)]
+
+
+@pytest.mark.parametrize("api", ["sotw", "delta"])
+def test_a_request_naming_more_than_max_resource_names_ends_the_stream_resource_exhausted(api):
+    async def body(channel, cache, servicer):
+        if api == "sotw":
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=_made_up(101)))
+        else:
+            call = channel.stream_stream(
+                ADS_DELTA, request_serializer=DeltaDiscoveryRequest.SerializeToString,
+                response_deserializer=DeltaDiscoveryResponse.FromString)()
+            await call.write(DeltaDiscoveryRequest(type_url=T.ENDPOINT,
+                                                   resource_names_subscribe=_made_up(60)))
+            await call.write(DeltaDiscoveryRequest(type_url=T.ENDPOINT,
+                                                   resource_names_subscribe=_made_up(41, "x")))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "101 eds resource names" in (info.value.details() or "")
+        assert "xds.limits.max_resource_names" in (info.value.details() or "")
+        await _until(lambda: not servicer.streams)
+    asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=100)))
+
+
+def test_a_closed_stream_leaves_nothing_of_its_subscription_behind():
+    """A stream that subscribed EDS to 100,000 made-up names holds them while it is open; once
+    it closes, nothing of them stays (the subset memo keys only names the snapshot has)."""
+    names = _made_up(100_000)
+
+    async def body(channel, cache, servicer):
+        request = DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", *names])
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(request)
+            first = await asyncio.wait_for(call.read(), 5)
+            assert [ClusterLoadAssignment.FromString(a.value).cluster_name
+                    for a in first.resources] == ["a"]
+            [info] = servicer.streams
+            assert len(info.machine.types[T.ENDPOINT].names) == 100_001
+            del info
+            held = tracemalloc.get_traced_memory()[0] - before
+            call.cancel()
+            await _until(lambda: not servicer.streams)
+            gc.collect()
+            left = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        memo = cache.snapshot.subset_memo
+        assert len(memo) == 1 and memo.bytes < 2_000  # {a} only
+        assert held > 8_000_000 and left < 1_000_000, (held, left)
+    asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=200_000)))
+
+
+def test_the_heap_is_trimmed_once_after_streams_holding_many_names_close():
+    calls: list[int] = []
+
+    async def body():
+        trimmer = HeapTrimmer(min_names=1000, delay_s=0.05, trim=lambda pad: calls.append(pad) or 1)
+        trimmer.closed(400)
+        trimmer.closed(500)  # 900 names so far: not worth a trim
+        await asyncio.sleep(0.1)
+        assert calls == [] and trimmer.trims == 0
+        for _ in range(5):  # closes in a burst share one trim
+            trimmer.closed(300)
+        await _until(lambda: trimmer.trims == 1)
+        await asyncio.sleep(0.1)
+        assert calls == [0] and trimmer.trims == 1
+        machine = transport.SotwStream()
+        machine.receive(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a", "b", "c"]))
+        machine.responses(snapshot(BASE))
+        assert held_names(machine) == 3 + 2  # subscribed, and sent
+    asyncio.run(body())
+
+
+def test_a_whole_state_too_large_to_send_is_withheld_and_logged_once_as_ours(caplog):
+    """CDS must be sent whole: above max_response_bytes it is not sent (never over the
+    limit), and one error line says so however many streams ask; the streams stay up."""
+    async def body(channel, cache, servicer):
+        calls = []
+        for _ in range(2):
+            call = _sotw_call(channel, ADS_SOTW)
+            await call.write(DiscoveryRequest(type_url=T.CLUSTER))
+            await call.write(DiscoveryRequest(type_url=T.ENDPOINT, resource_names=["a"]))
+            eds = await asyncio.wait_for(call.read(), 5)
+            assert eds.type_url == T.ENDPOINT  # EDS fits and is sent; CDS is not
+            calls.append(call)
+        await _until(lambda: len(servicer.streams) == 2)
+        assert all(s.machine.types[T.CLUSTER].last_nonce == "" for s in servicer.streams)
+        errors = _messages(caplog, logging.ERROR, "not sending cds")
+        assert len(errors) == 1 and "whole-state type cannot be split" in errors[0]
+        for call in calls:
+            call.cancel()
+    caplog.set_level(logging.ERROR, logger="trimtab.xds")
+    cds = sum(len(r.sotw_field) for r in snapshot(BASE).of_type(T.CLUSTER).values())
+    asyncio.run(_with_server(body, limits=StreamLimits(
+        max_response_bytes=RESPONSE_HEADROOM + cds - 1)))
+
+
+def test_the_xds_limits_in_the_config_reach_every_stream():
+    base = {"pools": [{"name": "p", "model": "m", "endpoints": [{"address": "10.0.0.1:80"}]}]}
+    default = parse_config(base).xds.limits
+    assert (default.max_resource_names, default.max_response_bytes) == (
+        StreamLimits().max_resource_names, StreamLimits().max_response_bytes) == (16_384, 4 * 2**20)
+    config = parse_config({**base, "xds": {"limits": {"max_resource_names": 500,
+                                                      "max_response_bytes": 1_000_000}}})
+    servicer = Trimtab(config).servicer
+    assert servicer.limits == StreamLimits(500, 1_000_000)
+    with pytest.raises(ConfigError, match="max_response_bytes"):
+        parse_config({**base, "xds": {"limits": {"max_response_bytes": 1000}}})

@@ -93,7 +93,8 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
 
 
 def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
-    """Per connected stream: node, API, and per type what was sent and ACKed."""
+    """Per connected stream: node (as its first request claimed it), peer and certificate
+    identities, API, and per type what was sent and ACKed."""
     streams = []
     for info in sorted(servicer.streams if servicer else [], key=lambda i: (i.node_id, i.peer)):
         types = {}
@@ -104,7 +105,8 @@ def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
                 "wildcard": state.wildcard,
                 "resources": dict(sorted(state.sent.items())),
             }
-        streams.append({"node": info.node_id, "peer": info.peer, "api": info.api,
+        streams.append({"node": info.node_id, "peer": info.peer,
+                        "identities": info.identities, "api": info.api,
                         "service": info.service, "types": types})
     return {"streams": streams}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -22,6 +23,7 @@ from .keda.scaler import ExternalScalerServicer, start_scaler_server
 from .leader import LeaseElector
 from .listen import listening
 from .nack_log import NackLog
+from .protocol import StreamLimits
 from .security import (
     NodeAuthorizer,
     RateLimiter,
@@ -98,7 +100,7 @@ class Trimtab:
                                      state_file=state_file_path(config, config_path),
                                      rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
-        self.controller.on_tick.append(self._record_history)
+        self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
         limits = config.xds.limits
@@ -107,7 +109,9 @@ class Trimtab:
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
             SnapshotViews(lambda: (self.controller.config, self.controller.canary_percent)))
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard)
+        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
+                                    limits=StreamLimits(limits.max_resource_names,
+                                                        limits.max_response_bytes))
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
         self.scaler_port: int | None = None
@@ -202,8 +206,11 @@ class Trimtab:
         await self.controller.reload(self.discovery.effective(config))
         self.discovery.start(config)
 
-    def _record_history(self) -> None:
-        self.history.record(self.controller.clock(), weights_document(self.controller))
+    def _prepare_history(self) -> Callable[[], None]:
+        """On the telemetry worker: the weights document (CPU-heavy at fleet scale, reads
+        only what a tick replaces); the loop then records it."""
+        at, document = self.controller.clock(), weights_document(self.controller)
+        return lambda: self.history.record(at, document)
 
     def _apply_discovered(self, config: Config) -> None:
         self.controller.apply_config(config)

@@ -4,30 +4,24 @@
 the *latest* snapshot, so a burst of updates coalesces instead of queueing intermediate states.
 An inconsistent snapshot never gets here: `build_snapshot` refuses it and the caller keeps the
 last good one (see `Controller.publish`).
+
+It holds nothing per client: NACK memory lives in each stream's machine (`protocol.Rejections`)
+and ends with the stream, so no client can make the cache withhold config from another.
 """
 
 from __future__ import annotations
 
 import asyncio
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 
 from .convergence import Convergence
-from .protocol import Rejections
 from .snapshot import Snapshot
-
-MAX_REJECTION_NODES = 10_000  # node ids whose NACK memory outlives their streams
 
 
 class SnapshotCache:
-    def __init__(self, max_rejection_nodes: int = MAX_REJECTION_NODES) -> None:
+    def __init__(self) -> None:
         self._snapshot: Snapshot | None = None
         self._watchers: set[Callable[[], None]] = set()
-        self.max_rejection_nodes = max_rejection_nodes
-        self._rejections: OrderedDict[str, Rejections] = OrderedDict()  # LRU: kept alive
-        self._live_rejections: weakref.WeakValueDictionary[str, Rejections] = (
-            weakref.WeakValueDictionary())  # every one a stream still holds
         self.convergence = Convergence()  # stamps of EDS versions, for the ACK delay histogram
         self.generation = 0
 
@@ -59,25 +53,3 @@ class SnapshotCache:
     @property
     def stream_count(self) -> int:
         return len(self._watchers)
-
-    def rejections_for(self, node_id: str) -> Rejections:
-        """NACK memory per node id, kept across that node's reconnects.
-
-        Every stream of a node gets the same object while any of them holds it. Once none
-        does, it is kept for the `max_rejection_nodes` most recently seen node ids only: a node
-        id seen longer ago starts afresh (and may be sent a version it once rejected)."""
-        memory = self._rejections.get(node_id)
-        if memory is None:
-            memory = self._live_rejections.get(node_id)
-            if memory is None:
-                memory = self._live_rejections[node_id] = Rejections()
-            self._rejections[node_id] = memory
-        self._rejections.move_to_end(node_id)
-        while len(self._rejections) > self.max_rejection_nodes:
-            self._rejections.popitem(last=False)
-        return memory
-
-    @property
-    def rejection_nodes(self) -> int:
-        """How many node ids' NACK memory is kept (at most `max_rejection_nodes`)."""
-        return len(self._rejections)

@@ -105,6 +105,10 @@ class XdsLimitsConfig(_Model):
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=64 * 1024)
     max_connection_age_seconds: float | None = Field(None, gt=0)  # GOAWAY after this (±10 %)
     max_connection_age_grace_seconds: float = Field(30.0, ge=0)  # then the stream is cut
+    # Names of one type one stream may subscribe to; above: RESOURCE_EXHAUSTED (the peer's fault).
+    max_resource_names: int = Field(16_384, ge=1)
+    # The largest response sent (gRPC clients' default receive limit); larger pushes are split.
+    max_response_bytes: int = Field(4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
 
 
 class XdsConfig(_Addressed):
@@ -162,6 +166,7 @@ class TelemetryConfig(_Model):
     max_concurrency: int = Field(64, ge=1)
     source: SourceName = "scrape"           # default for pools; a pool may pick its own
     latency_window_seconds: float = Field(30.0, gt=0)  # decode latency: windowed mean ITL
+    max_series_per_page: int = Field(20_000, ge=1)  # a page with more is refused unparsed
     prometheus: PrometheusSourceConfig = PrometheusSourceConfig()
     file: str | None = None                 # source `file`: YAML/JSON {address: {signal: value}}
 

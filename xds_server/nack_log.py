@@ -1,4 +1,8 @@
-"""A bounded record of recent NACKs, for `/v1/nacks` and the status page."""
+"""A bounded record of recent NACKs, for `/v1/nacks` and the status page.
+
+Each record names the node id as the stream claimed it (its first request's, the one it was
+authorised as), and who sent it: the peer address and, with mTLS, the certificate's
+identities. A NACK affects only the stream that sent it, whatever node id it claims."""
 
 from __future__ import annotations
 
@@ -18,8 +22,9 @@ DETAIL_LIMIT = 4000  # NACK texts embed the whole resource; keep the head
 @dataclass(frozen=True)
 class NackRecord:
     at: float
-    node: str
+    node: str  # as claimed by the stream's first request
     peer: str
+    identities: list[str]  # the client certificate's SANs; [] in plaintext
     api: str
     type: str
     nonce: str
@@ -38,7 +43,8 @@ class NackLog:
             return
         self.total += 1
         self._records.append(NackRecord(
-            at=self._clock(), node=info.node_id, peer=info.peer, api=info.api,
+            at=self._clock(), node=info.node_id, peer=info.peer, identities=info.identities,
+            api=info.api,
             type=type_urls.short_name(event.type_url), nonce=event.nonce,
             rejected=dict(event.rejected), detail=event.detail[:DETAIL_LIMIT]))
 

@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
+from .telemetry import DEFAULT_MAX_BODY_BYTES, BodyTooLargeError, off_loop, read_limited
+
 DEFAULT_TIMEOUT_SECONDS = 2.0
 DEFAULT_RATE_WINDOW = "1m"
 
@@ -218,6 +220,11 @@ class PromQLSource:
     maps label values to endpoint addresses; label values it does not list are ignored.
     Without it the label value *is* the address. The HTTP session is created lazily inside
     the running loop; call :meth:`close` when done. Use from a single event loop.
+
+    Every answer is bounded like a scraped page: ``timeout_seconds`` for the whole request,
+    body included, and ``max_body_bytes`` of decompressed body (reading stops there and the
+    query fails with a ``size`` error). JSON decoding and merging run on the telemetry worker
+    thread, never on the event loop.
     """
 
     def __init__(
@@ -228,9 +235,13 @@ class PromQLSource:
         queries: Mapping[str, str] | None = None,
         address_of: Mapping[str, str] | None = None,
         timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self._max_body_bytes = max_body_bytes
         self.url = base_url.rstrip("/") + "/api/v1/query"
         self.label = label
         self.queries = dict(queries) if queries is not None else default_queries(label)
@@ -253,24 +264,33 @@ class PromQLSource:
             self._session = aiohttp.ClientSession(timeout=timeout)
         signals = sorted(self.queries)
         answers = await asyncio.gather(*(self._query(self._session, s) for s in signals))
-        return merge_answers(dict(zip(signals, answers, strict=True)), self.address_of)
+        return await off_loop(merge_answers, dict(zip(signals, answers, strict=True)),
+                              self.address_of)
 
     async def _query(self, session: aiohttp.ClientSession, signal: str) -> Answer:
         """The parsed answer, or an ``"<kind>: <detail>"`` error string."""
         try:
             async with session.get(self.url, params={"query": self.queries[signal]}) as resp:
-                body = await resp.read()
                 status, reason = resp.status, resp.reason
+                body = await read_limited(resp, self._max_body_bytes)
+        except BodyTooLargeError as exc:
+            return (f"size: Prometheus answer larger than {exc.limit} bytes (decompressed); "
+                    f"stopped reading, query not used")
         except (TimeoutError, aiohttp.ServerTimeoutError):
             return f"timeout: no answer within {self._timeout_seconds:g}s"
         except aiohttp.ClientConnectionError as exc:
             return f"connect: {type(exc).__name__}: {exc}"
         except aiohttp.ClientError as exc:
             return f"http: {type(exc).__name__}: {exc}"
-        try:
-            parsed = parse_vector(body, self.label)
-        except PromQLError as exc:
-            return str(exc) if status == 200 else f"http: status {status} {reason}; {exc}"
-        if status != 200:
-            return f"http: status {status} {reason or ''}".rstrip()
-        return parsed
+        return await off_loop(_interpret, body, self.label, status, reason)
+
+
+def _interpret(body: bytes, label: str, status: int, reason: str | None) -> Answer:
+    """An answer's :class:`Vector`, or its error string (CPU work: run off the loop)."""
+    try:
+        parsed = parse_vector(body, label)
+    except PromQLError as exc:
+        return str(exc) if status == 200 else f"http: status {status} {reason}; {exc}"
+    if status != 200:
+        return f"http: status {status} {reason or ''}".rstrip()
+    return parsed

@@ -12,11 +12,16 @@
   names changed since the one it replaced (`changes`), so that a stream already up to date with
   that one looks only at those names; what a subscription to some names wants, and its version,
   is computed once per snapshot (`subset`) and shared by every stream with that subscription.
+  That memo is keyed by names the snapshot has (a stream passes its subscription's intersection
+  with `names_of`), never by a client's raw name set, and bounded in bytes (`SubsetMemo`), so
+  what a client subscribes to is held by its stream only and freed when the stream closes.
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -91,8 +96,52 @@ def type_version(resources: Mapping[str, Resource]) -> str:
 
 
 EMPTY_TYPE_VERSION = type_version({})
-MAX_SUBSETS = 1024  # distinct (type, names) subscriptions memoized per snapshot
+MAX_SUBSET_BYTES = 16 * 1024 * 1024  # memoised subsets per snapshot, as `SubsetMemo` counts them
 _NO_RESOURCES: Mapping[str, Resource] = MappingProxyType({})
+_NO_NAMES: frozenset[str] = frozenset()
+
+SubsetKey = tuple[str, frozenset[str]]
+SubsetValue = tuple[Mapping[str, Resource], str]
+_ENTRY_OVERHEAD = 200  # the value tuple, the memo's own slot and node, the key tuple
+
+
+def subset_entry_bytes(names: frozenset[str], value: SubsetValue) -> int:
+    """What one memo entry holds in memory: the key set and its strings, the name -> resource
+    dict and its view, the version (the Resources themselves belong to the snapshot)."""
+    wanted, version = value
+    return (sys.getsizeof(names) + sum(sys.getsizeof(name) for name in names)
+            + sys.getsizeof(dict(wanted)) + sys.getsizeof(wanted) + sys.getsizeof(version)
+            + _ENTRY_OVERHEAD)
+
+
+class SubsetMemo:
+    """`Snapshot.subset` results, least recently used first out, at most `max_bytes` in all
+    (by `subset_entry_bytes`); an entry larger than that is not kept at all."""
+
+    def __init__(self, max_bytes: int = MAX_SUBSET_BYTES) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._entries: OrderedDict[SubsetKey, tuple[SubsetValue, int]] = OrderedDict()
+
+    def get(self, key: SubsetKey) -> SubsetValue | None:
+        found = self._entries.get(key)
+        if found is None:
+            return None
+        self._entries.move_to_end(key)
+        return found[0]
+
+    def put(self, key: SubsetKey, value: SubsetValue) -> None:
+        size = subset_entry_bytes(key[1], value)
+        if size > self.max_bytes or key in self._entries:
+            return
+        self._entries[key] = (value, size)
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.bytes -= dropped
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 @dataclass(frozen=True)
@@ -110,28 +159,45 @@ class Snapshot:
     version: str
     changes: Mapping[str, TypeChange] = field(  # since the snapshot this one replaced
         default_factory=lambda: MappingProxyType({}), compare=False)
-    _subsets: dict[tuple[str, frozenset[str]], tuple[Mapping[str, Resource], str]] = field(
-        default_factory=dict, init=False, repr=False, compare=False)
+    _subsets: SubsetMemo = field(default_factory=SubsetMemo, init=False, repr=False,
+                                 compare=False)
+    _names: dict[str, frozenset[str]] = field(default_factory=dict, init=False, repr=False,
+                                              compare=False)
 
     def of_type(self, type_url: str) -> Mapping[str, Resource]:
         return self.resources.get(type_url, _NO_RESOURCES)
+
+    def names_of(self, type_url: str) -> frozenset[str]:
+        """The names of `type_url`'s resources. The same object as the previous snapshot's
+        when they did not change (see `reusing`), so a stream can tell cheaply."""
+        names = self._names.get(type_url)
+        if names is None:
+            have = self.resources.get(type_url)
+            names = self._names[type_url] = frozenset(have) if have else _NO_NAMES
+        return names
 
     def type_version_of(self, type_url: str) -> str:
         """`type_version` of all the resources of `type_url` (precomputed)."""
         return self.versions.get(type_url, EMPTY_TYPE_VERSION)
 
-    def subset(self, type_url: str, names: frozenset[str]) -> tuple[Mapping[str, Resource], str]:
+    def subset(self, type_url: str, names: frozenset[str]) -> SubsetValue:
         """The resources of `type_url` among `names`, in name order, and their `type_version`:
-        computed once per snapshot and name set, shared by every stream subscribing to it."""
+        computed once per snapshot and name set, shared by every stream subscribing to it.
+        Memoised only when the snapshot has every one of `names` (pass a subscription's
+        intersection with `names_of`), so no name a client made up is ever kept here."""
         key = (type_url, names)
         found = self._subsets.get(key)
         if found is None:
             have = self.of_type(type_url)
             wanted = {name: have[name] for name in sorted(names) if name in have}
             found = (MappingProxyType(wanted), type_version(wanted))
-            if len(self._subsets) < MAX_SUBSETS:
-                self._subsets[key] = found
+            if len(wanted) == len(names):
+                self._subsets.put(key, found)
         return found
+
+    @property
+    def subset_memo(self) -> SubsetMemo:
+        return self._subsets
 
     def reusing(self, previous: Snapshot | None) -> Snapshot:
         """Return an equal snapshot that reuses `previous`'s Resource objects where the
@@ -146,8 +212,13 @@ class Snapshot:
             if type_url in self.resources:
                 merged[type_url] = MappingProxyType(items)
             changes[type_url] = TypeChange(previous.type_version_of(type_url), frozenset(changed))
-        return Snapshot(MappingProxyType(merged), self.versions, self.version,
-                        MappingProxyType(changes))
+        out = Snapshot(MappingProxyType(merged), self.versions, self.version,
+                       MappingProxyType(changes))
+        for type_url in merged:
+            before = previous.names_of(type_url)
+            if changes[type_url].names <= before and out.names_of(type_url) == before:
+                out._names[type_url] = before  # unchanged: streams keep their intersections
+        return out
 
 
 def _reuse(items: Mapping[str, Resource], old: Mapping[str, Resource]

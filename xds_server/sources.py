@@ -8,7 +8,8 @@
 * ``file``: a YAML/JSON file ``{address: {signal: value}}`` re-read every tick.
 
 Every source answers with one `ScrapeResult` per endpoint: signals, or an error that makes
-only that endpoint stale. Inputs that were present but rejected (NaN, negative, out of range)
+only that endpoint stale. Parsing and per-endpoint work run on the telemetry worker thread
+(`telemetry.off_loop`), so a big page or a big fleet never holds up the event loop. Inputs that were present but rejected (NaN, negative, out of range)
 or that partly failed (a node's DCGM page, one failed PromQL query) go to the result's
 ``problems``: the read still counts, the endpoint is flagged, the value is never a signal.
 """
@@ -26,7 +27,7 @@ from .adapters import parse_page
 from .config import Config, EndpointConfig
 from .promql import PromQLResult, PromQLSource
 from .slo import parse_slo
-from .telemetry import ParsedPage, Scraper, ScrapeResult
+from .telemetry import ParsedPage, Scraper, ScrapeResult, off_loop
 
 Clock = Callable[[], float]
 _DCGM_SIGNALS = ("gpu_mem_pct", "gpu_util_pct")
@@ -139,7 +140,10 @@ class PrometheusSource:
     async def collect(self, endpoints: list[EndpointConfig], now: Clock) -> dict[str, ScrapeResult]:
         self.source.address_of = {ep.instance or ep.address: ep.address for ep in endpoints}
         answer = await self.source.fetch()
-        at = now()
+        return await off_loop(self._results, endpoints, answer, now())
+
+    def _results(self, endpoints: list[EndpointConfig], answer: PromQLResult, at: float
+                 ) -> dict[str, ScrapeResult]:
         failed = tuple(f"{signal}: {error}" for signal, error in sorted(answer.errors.items()))
         return {ep.address: self._result(ep, answer, failed, at) for ep in endpoints}
 

@@ -3,9 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import io
 import math
+import os
+import threading
 from collections.abc import Callable, Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import ParamSpec, TypeVar
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,8 +21,107 @@ from weight_calculator.types import Observation, Sample
 FB_USED = "DCGM_FI_DEV_FB_USED"
 FB_FREE = "DCGM_FI_DEV_FB_FREE"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_MAX_SERIES_PER_PAGE = 20_000
+LINES_PER_SERIES = 4  # lines of any kind a page may have per allowed series
+_READ_CHUNK = 64 * 1024
 
 GpuKey = tuple[str, str]  # (gpu index label, UUID label)
+
+
+P = ParamSpec("P")
+T = TypeVar("T")
+_worker: tuple[int, ThreadPoolExecutor] | None = None  # (creating pid, executor)
+_worker_lock = threading.Lock()
+
+
+def telemetry_worker() -> ThreadPoolExecutor:
+    """The one thread that runs telemetry CPU work (page parsing, weighing) for the process.
+
+    One thread, not a pool: pure-Python work holds the GIL, so a second worker would add no
+    throughput and would make the event loop wait behind more threads for the GIL. A forked
+    child gets its own (the parent's thread does not exist there)."""
+    global _worker
+    with _worker_lock:
+        if _worker is None or _worker[0] != os.getpid():
+            _worker = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="trimtab-telemetry"))
+        return _worker[1]
+
+
+async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+    """Run ``fn`` on the telemetry worker thread and await its result: CPU work there never
+    holds up the event loop that serves xDS, admin, health and KEDA. ``fn`` must not touch
+    state that the loop mutates meanwhile (pass it what it needs).
+
+    The cyclic garbage collector is paused while ``fn`` runs: a collection holds the GIL
+    whichever thread runs it, so the loop would wait for every one that ``fn``'s allocations
+    set off (several full ones per tick at 10,000 endpoints, each walking ``fn``'s
+    short-lived objects too). Reference counting still frees them as ``fn`` drops them; the
+    collector runs once ``fn`` is done, over what is left."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(telemetry_worker(), _without_gc, fn, args, kwargs)
+
+
+def _without_gc(fn: Callable[..., T], args: tuple[object, ...], kwargs: dict[str, object]) -> T:
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def refuse_unparsed(text: str, max_series: int) -> str | None:
+    """Why a page is too costly to parse, or ``None``. Parse time follows the number of lines,
+    so both are bounded: samples (series) to ``max_series``, and every line, comments and
+    blank ones included, to :data:`LINES_PER_SERIES` times that (a page of HELP/TYPE pairs
+    and samples has at most three lines per series)."""
+    max_lines = LINES_PER_SERIES * max_series
+    if text.count("\n") > max_lines:
+        return (f"series: the endpoint's page has more than {max_lines} lines "
+                f"({LINES_PER_SERIES} × telemetry.max_series_per_page); refused without parsing it")
+    if series_over(text, max_series):
+        return too_many_series(max_series)
+    return None
+
+
+def series_over(text: str, limit: int) -> bool:
+    """Whether ``text`` holds more than ``limit`` samples (series), without parsing it.
+
+    Counts lines the way the Prometheus text parser reads them (split on newlines,
+    stripped; blank and ``#`` lines are not samples) and stops at the ``limit + 1``-th, so a
+    huge page costs at most ``limit`` short line checks. A page with no more lines than
+    ``limit`` is decided by one C-speed newline count."""
+    if text.count("\n") < limit:
+        return False
+    count = 0
+    for line in io.StringIO(text):
+        line = line.strip()
+        if line and line[0] != "#":
+            count += 1
+            if count > limit:
+                return True
+    return False
+
+
+class BodyTooLargeError(Exception):
+    """A response body (after decompression) grew past its byte limit; reading stopped."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"body larger than {limit} bytes")
+        self.limit = limit
+
+
+async def read_limited(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
+    """The response body, read in 64 KiB pieces of *decompressed* bytes; raises
+    :class:`BodyTooLargeError` as soon as it exceeds ``max_bytes`` (a gzip bomb or an endless
+    body stops there). The session's total timeout bounds the time."""
+    body = bytearray()
+    async for chunk in resp.content.iter_chunked(_READ_CHUNK):
+        body.extend(chunk)
+        if len(body) > max_bytes:
+            raise BodyTooLargeError(max_bytes)
+    return bytes(body)
 
 
 class MetricsFormatError(ValueError):
@@ -113,7 +218,10 @@ PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
 class Scraper:
     """Scrapes many metrics URLs concurrently with a per-request timeout.
 
-    One ``aiohttp.ClientSession`` is created lazily on first use (inside the running loop)
+    Every page is bounded in time (``timeout_seconds``), bytes (``max_body_bytes``, after
+    decompression) and series (``max_series_per_page``, counted before any parsing: a page
+    over it is refused unparsed). Decoding and parsing run on the telemetry worker thread
+    (:func:`off_loop`), never on the event loop. One ``aiohttp.ClientSession`` is created lazily on first use (inside the running loop)
     and reused; call :meth:`close` when done. Use a Scraper from a single event loop.
     """
 
@@ -123,11 +231,15 @@ class Scraper:
         max_concurrency: int = 64,
         parse: PageParser = parse_dcgm_memory,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+        max_series_per_page: int = DEFAULT_MAX_SERIES_PER_PAGE,
     ) -> None:
         if not timeout_seconds > 0:
             raise ValueError(f"timeout_seconds must be > 0, got {timeout_seconds!r}")
         if max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if max_series_per_page < 1:
+            raise ValueError(f"max_series_per_page must be >= 1, got {max_series_per_page}")
+        self._max_series = max_series_per_page
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._timeout_seconds = timeout_seconds
         self._max_concurrency = max_concurrency
@@ -187,8 +299,16 @@ class Scraper:
             except aiohttp.ClientError as exc:
                 return ScrapeResult(None, f"fetch: {_describe(exc)}", now())
             collected_at = now()
+        return await off_loop(self.parse_body, body, parse, collected_at)
+
+    def parse_body(self, body: bytes, parse: PageParser, collected_at: float) -> ScrapeResult:
+        """Decode, bound and parse one page (CPU work: :meth:`scrape` runs it off the loop)."""
         try:
-            parsed = parse(body.decode("utf-8"))
+            text = body.decode("utf-8")
+            refused = refuse_unparsed(text, self._max_series)
+            if refused is not None:
+                return ScrapeResult(None, refused, collected_at)
+            parsed = parse(text)
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
@@ -199,12 +319,16 @@ class Scraper:
         async with session.get(url, headers={"Accept": "text/plain"}) as resp:
             if resp.status != 200:
                 raise _FetchError("http", f"status {resp.status} {resp.reason or ''}".rstrip())
-            body = bytearray()
-            async for chunk in resp.content.iter_chunked(64 * 1024):
-                body.extend(chunk)
-                if len(body) > self._max_body_bytes:
-                    raise _FetchError("size", f"body larger than {self._max_body_bytes} bytes")
-            return bytes(body)
+            try:
+                return await read_limited(resp, self._max_body_bytes)
+            except BodyTooLargeError as exc:
+                raise _FetchError("size", str(exc)) from None
+
+
+def too_many_series(limit: int) -> str:
+    """The error of an endpoint whose page is over ``telemetry.max_series_per_page``."""
+    return (f"series: the endpoint's page has more than {limit} series "
+            f"(telemetry.max_series_per_page); refused without parsing it")
 
 
 class _FetchError(Exception):

@@ -9,6 +9,15 @@ info line while at most `PER_PUSH_LOG_STREAMS` streams are open; above that, per
 debug and info summarises the pushes per type once per `PushLog` window (1 s), so 1,000 streams
 make a handful of lines per tick, not 1,000.
 
+Limits (`protocol.StreamLimits`, from `xds.limits`): a request naming more resources than
+`max_resource_names` ends its stream with RESOURCE_EXHAUSTED; no response exceeds
+`max_response_bytes` (the machines split pushes into parts, and withhold what cannot fit,
+which is logged here as our error).
+
+Memory: what a stream subscribed to is held by its machine only, and freed when it closes. After
+streams that held many names close, `HeapTrimmer` hands the freed heap back to the OS (glibc
+keeps freed small blocks otherwise, and RSS would stay at its peak).
+
 Inbound backpressure: a stream holds at most `INBOX_LIMIT` requests read but not yet handled.
 While its `Inbox` is full (the pump is blocked writing to a client that does not read) the
 stream stops reading, so gRPC's flow control pushes back on the client instead of requests
@@ -18,12 +27,14 @@ piling up in memory.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache, lru_cache
 from typing import Any
 
 import grpc
@@ -32,7 +43,19 @@ from envoy.service.discovery.v3 import discovery_pb2
 from . import metrics, type_urls, wire
 from .cache import SnapshotCache
 from .convergence import StreamConvergence
-from .protocol import Ack, DeltaStream, Event, Nack, ProtocolError, Response, SotwStream, StaleNonce
+from .protocol import (
+    Ack,
+    DeltaStream,
+    Event,
+    Nack,
+    ProtocolError,
+    ResourceLimitExceeded,
+    Response,
+    SotwStream,
+    StaleNonce,
+    StreamLimits,
+    Withheld,
+)
 from .security import Denied, StreamAccess, XdsGuard
 
 log = logging.getLogger("trimtab.xds")
@@ -68,6 +91,7 @@ def encode_delta(response: Response) -> bytes:
 
 PER_PUSH_LOG_STREAMS = 64  # above this many open streams, pushes are logged in summary
 INBOX_LIMIT = 64  # requests read from a stream and not yet handled
+WITHHELD_LOGGED = 1024  # (type, version, names) withheld notices remembered, to log each once
 
 
 class Inbox:
@@ -98,6 +122,70 @@ class Inbox:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+TRIM_AFTER_NAMES = 10_000  # names held by streams closed since the last trim that call for one
+TRIM_DELAY_S = 0.5  # closes within this long share one trim
+
+
+@cache
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, or None where the C library has none (musl, macOS)."""
+    for name in ("libc.so.6", ctypes.util.find_library("c")):
+        if name is None:
+            continue
+        try:
+            trim = ctypes.CDLL(name).malloc_trim
+        except (OSError, AttributeError):
+            continue
+        trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+        return trim  # type: ignore[no-any-return]
+    return None
+
+
+class HeapTrimmer:
+    """Returns freed heap memory to the OS once streams holding at least `min_names`
+    subscribed or sent names (together) have closed: at most one trim per `delay_s`, run in a
+    worker thread (ctypes releases the GIL), so serving never waits for it."""
+
+    def __init__(self, min_names: int = TRIM_AFTER_NAMES, delay_s: float = TRIM_DELAY_S,
+                 trim: Callable[[int], int] | None = None) -> None:
+        self.min_names = min_names
+        self.delay_s = delay_s
+        self.trims = 0  # completed
+        self.last_seconds = 0.0  # how long the last trim took (in its worker thread)
+        self._trim = trim if trim is not None else _load_malloc_trim()
+        self._pending = 0
+        self._timer: asyncio.TimerHandle | None = None
+
+    def closed(self, names: int) -> None:
+        """A stream that held `names` names has ended."""
+        self._pending += names
+        if self._trim is None or self._timer is not None or self._pending < self.min_names:
+            return
+        loop = asyncio.get_running_loop()
+        self._timer = loop.call_later(self.delay_s, self._start, loop)
+
+    def _start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._timer, self._pending = None, 0
+        loop.run_in_executor(None, self._run).add_done_callback(self._done)
+
+    def _run(self) -> float:
+        started = time.perf_counter()
+        assert self._trim is not None
+        self._trim(0)
+        return time.perf_counter() - started
+
+    def _done(self, future: asyncio.Future) -> None:
+        self.trims += 1
+        if future.exception() is None:
+            self.last_seconds = future.result()
+            log.debug("returned freed heap memory to the OS in %.3f s", self.last_seconds)
+
+
+def held_names(machine: SotwStream | DeltaStream) -> int:
+    """How many names a stream's machine holds (subscribed and sent), all types together."""
+    return sum(len(st.names) + len(st.sent) for st in machine.types.values())
 
 
 @dataclass(frozen=True)
@@ -183,7 +271,13 @@ class StreamInfo:
 
     @property
     def node_id(self) -> str:
+        """The node id the stream claimed in its first request (the one it is authorised as)."""
         return self.machine.node.id if self.machine.node is not None else ""
+
+    @property
+    def identities(self) -> list[str]:
+        """The client certificate's SANs (empty in plaintext, or without a guard)."""
+        return list(self.access.identities) if self.access is not None else []
 
 
 class XdsServicer:
@@ -191,9 +285,12 @@ class XdsServicer:
 
     def __init__(self, cache: SnapshotCache,
                  on_event: Callable[[StreamInfo, Event], None] | None = None,
-                 guard: XdsGuard | None = None) -> None:
+                 guard: XdsGuard | None = None, limits: StreamLimits | None = None) -> None:
         self.cache = cache
         self.guard = guard
+        self.limits = limits if limits is not None else StreamLimits()
+        self.heap = HeapTrimmer()
+        self._withheld_logged: dict[tuple[str, str, str, int], None] = {}
         self.closing = False
         self.on_event = on_event
         self.streams: set[StreamInfo] = set()
@@ -227,7 +324,8 @@ class XdsServicer:
     def _handler(self, api: str, service: str, type_url: str | None) -> Callable:
         async def handle(requests: AsyncIterator, context: grpc.aio.ServicerContext) -> None:
             machine: SotwStream | DeltaStream = (
-                SotwStream(type_url) if api == "sotw" else DeltaStream(type_url))
+                SotwStream(type_url, self.limits) if api == "sotw"
+                else DeltaStream(type_url, self.limits))
             info = StreamInfo(context.peer(), api, service.rsplit(".", 1)[-1], machine,
                               self.guard.open(context) if self.guard is not None else None,
                               convergence=StreamConvergence(self.cache.convergence, api))
@@ -244,6 +342,10 @@ class XdsServicer:
         metrics.STREAMS.labels(api=info.api).inc()
         try:
             await self._pump(info, inbox, wake, reader, context)
+        except ResourceLimitExceeded as exc:
+            log.warning("ending stream from %s (node %r): %s", info.peer, info.node_id, exc)
+            metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except ProtocolError as exc:
             log.warning("protocol error from %s (node %r): %s", info.peer, info.node_id, exc)
             metrics.PROTOCOL_ERRORS.labels(api=info.api).inc()
@@ -258,6 +360,7 @@ class XdsServicer:
             for type_url in info.types:
                 metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url),
                                              api=info.api).dec()
+            self.heap.closed(held_names(info.machine))
 
     @staticmethod
     async def _read(requests: AsyncIterator, inbox: Inbox, wake: asyncio.Event) -> None:
@@ -285,22 +388,42 @@ class XdsServicer:
                 if request is None:
                     return
                 self._receive(info, request)
+                del request  # a parsed request may be megabytes: do not hold it while waiting
             snapshot = self.cache.snapshot
             if self.guard is not None and info.access is not None:
                 snapshot = self.guard.view(info.access, snapshot)
-            for response in machine.responses(snapshot):
+            responses = machine.responses(snapshot)
+            for notice in machine.take_notices():
+                self._log_withheld(info, notice)
+            for response in responses:
                 await self._send(info, response, context)
+
+    def _log_withheld(self, info: StreamInfo, notice: Withheld) -> None:
+        """Our error, logged once per (type, version, names) however many streams hit it."""
+        key = (notice.type_url, notice.version, notice.names[0] if notice.names else "",
+               len(notice.names))
+        if key in self._withheld_logged:
+            return
+        self._withheld_logged[key] = None
+        while len(self._withheld_logged) > WITHHELD_LOGGED:
+            del self._withheld_logged[next(iter(self._withheld_logged))]
+        names = ", ".join(notice.names[:5]) + (" and more" if len(notice.names) > 5 else "")
+        log.error("not sending %s %s (version %s) to %r (logged once for every stream): it "
+                  "needs %d bytes, above the %d one response may carry (xds.limits.max_response_bytes "
+                  "less headroom; %s); raise it, and the client's receive limit where it has "
+                  "one (Envoy: the ADS cluster's envoy_grpc.max_receive_message_length)",
+                  type_urls.short_name(notice.type_url), names, notice.version, info.node_id,
+                  notice.size, notice.limit,
+                  "a whole-state type cannot be split" if len(notice.names) > 1
+                  else "one resource cannot be split")
 
     def _receive(self, info: StreamInfo, request: object) -> None:
         machine = info.machine
         if self.guard is not None and info.access is not None:
             self.guard.on_request(info.access)
-        had_node = machine.node is not None
         events = machine.receive(request)  # type: ignore[arg-type]
         if self.guard is not None and info.access is not None:
             self.guard.admit(info.access, machine.node)
-        if not had_node and machine.node is not None:
-            machine.rejections = self.cache.rejections_for(machine.node.id)
         for type_url in machine.types.keys() - info.types:
             info.types.add(type_url)
             metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url), api=info.api).inc()
@@ -311,7 +434,8 @@ class XdsServicer:
         kind = type_urls.short_name(event.type_url)
         if isinstance(event, Nack):
             metrics.NACKS.labels(type=kind).inc()
-            log.warning("NACK from node %r for %s nonce %s (rejected %s): %s", info.node_id, kind,
+            log.warning("NACK from node %r (peer %s, identity %s) for %s nonce %s (rejected %s): "
+                        "%s", info.node_id, info.peer, info.identities or "none", kind,
                         event.nonce, dict(event.rejected), event.detail[:2000])
             if info.convergence is not None:
                 info.convergence.nacked(event.nonce)

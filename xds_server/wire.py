@@ -58,8 +58,12 @@ def delta_resource_field(type_url: str, name: str, version: str, payload: bytes)
     return len_field(2, resource)
 
 
+def delta_removed_field(name: str) -> bytes:
+    return str_field(6, name)
+
+
 def delta_response(system_version: str, resource_fields: Iterable[bytes], type_url: str,
                    nonce: str, removed: Iterable[str]) -> bytes:
-    removed_fields = (str_field(6, name) for name in removed)
+    removed_fields = (delta_removed_field(name) for name in removed)
     return b"".join((str_field(1, system_version), *resource_fields, str_field(4, type_url),
                      str_field(5, nonce), *removed_fields))
