@@ -388,3 +388,29 @@ def test_the_file_backend_behind_the_same_interface(tmp_path) -> None:
     assert store.load().states == rollouts.states
     (tmp_path / "rollouts.json").write_text("{")
     assert tick(rollouts, 20.0) is False and rollouts.states["p"].percent == 20
+
+
+def test_a_slow_api_holds_a_tick_up_only_for_the_read_budget(kube: FakeKube,
+                                                             caplog: pytest.LogCaptureFixture
+                                                             ) -> None:
+    """The state read is budgeted: the tick goes on with the last state (the weights are not
+    held up), the read finishes in its thread, and the next tick uses a fresh one."""
+    leader = FakeLeader("a", leading=True)
+    store = ConfigMapStateStore(coordination_api_client(kube.host), NS, CM, "a",
+                                request_timeout=5.0)
+    a = CoordinatedRollouts(config(), store, leader, read_budget_s=0.2)
+
+    async def scenario() -> tuple[float, bool, bool]:
+        assert await a.atick(GoodTracker(), 0.0)
+        kube.delay_objects("configmaps", "get", 1.0)
+        started = time.monotonic()
+        slow = await a.atick(GoodTracker(), 10.0)  # a step is due, the read is slow
+        took = time.monotonic() - started
+        await asyncio.sleep(1.2)  # the slow read ends in its thread
+        return took, slow, await a.atick(GoodTracker(), 10.5)
+
+    took, slow, later = asyncio.run(scenario())
+    assert took < 0.6 and slow is False
+    assert "took over 0.2s" in caplog.text
+    assert later is True and stored(kube)["states"]["p"].percent == 20
+    assert [w.status for w in writes(kube)] == [201, 200]

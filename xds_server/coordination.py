@@ -71,9 +71,15 @@ def advance_pool(pool: PoolConfig, state: RolloutState | None, tracker: SloTrack
 class CoordinatedRollouts(Rollouts):
     """Rollouts whose state lives in ``store`` and whose driver is the Lease holder."""
 
-    def __init__(self, config: Config, store: StateStore, leader: Leader) -> None:
+    def __init__(self, config: Config, store: StateStore, leader: Leader,
+                 read_budget_s: float | None = None) -> None:
+        """``read_budget_s``: how long a tick waits for the state read (None: the store's
+        own timeouts); past it the tick goes on with the last state read, and the read
+        finishes in its thread without holding up the weights."""
         self.store, self.leader = store, leader
+        self.read_budget_s = read_budget_s
         self._read_error: str | None = None
+        self._loading: asyncio.Future[StoredState] | None = None
         super().__init__(config, None)
 
     # `drive` is the Lease's business here; the config's value is ignored
@@ -129,18 +135,25 @@ class CoordinatedRollouts(Rollouts):
         raise RuntimeError("CoordinatedRollouts does API I/O: call `await atick(...)`")
 
     async def _load(self) -> StoredState | None:
+        if self._loading is None or self._loading.done():  # never two reads at once
+            self._loading = asyncio.ensure_future(asyncio.to_thread(self.store.load))
         try:
-            stored = await asyncio.to_thread(self.store.load)
+            stored = await asyncio.wait_for(asyncio.shield(self._loading), self.read_budget_s)
+        except TimeoutError:
+            return self._unreadable(f"reading the rollout state took over "
+                                    f"{self.read_budget_s:g}s")
         except (StateStoreError, RolloutStateError) as exc:
-            if str(exc) != self._read_error:
-                log.error("cannot read the rollout state; routing by the last one read: %s",
-                          exc)
-            self._read_error = str(exc)
-            return None
+            return self._unreadable(str(exc))
         if self._read_error is not None:
             log.info("rollout state readable again")
         self._read_error = None
         return stored
+
+    def _unreadable(self, error: str) -> StoredState | None:
+        if error != self._read_error:
+            log.error("cannot read the rollout state; routing by the last one read: %s", error)
+        self._read_error = error
+        return None
 
     def _commit(self, before: Mapping[str, RolloutState],
                 decided: Mapping[str, RolloutState]) -> bool:
@@ -212,4 +225,5 @@ def kubernetes_rollouts(config: Config) -> tuple[CoordinatedRollouts, LeaseElect
     store = ConfigMapStateStore(coordination_api_client(k8s.api_server), k8s.namespace,
                                 k8s.state_configmap, elector.identity,
                                 request_timeout=max(k8s.renew_seconds, 1.0))
-    return CoordinatedRollouts(config, store, elector), elector
+    budget = config.telemetry.interval_seconds / 2  # a slow API never holds a tick up long
+    return CoordinatedRollouts(config, store, elector, read_budget_s=budget), elector
