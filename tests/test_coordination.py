@@ -8,6 +8,7 @@ import asyncio
 import json
 import logging
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -227,14 +228,14 @@ def test_admin_refuses_a_follower_command_with_409_naming_the_leader(kube: FakeK
     assert listed["leader"]["identity"] == "b" and listed["leader"]["leader"] == "a"
 
 
-@pytest.mark.parametrize("fault", ["http-500", "timeout", "corrupt"])
+@pytest.mark.parametrize("fault", ["http-500", "http-410", "timeout", "corrupt"])
 def test_an_unreadable_state_is_never_decided_on(kube: FakeKube, fault: str,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     a, _ = replica(kube, "a", leading=True)
     tick(a, 0.0)
     before = stored(kube)["obj"]["metadata"]["resourceVersion"]
-    if fault == "http-500":
-        kube.fail_objects("configmaps", "get", 500)
+    if fault.startswith("http-"):
+        kube.fail_objects("configmaps", "get", int(fault[5:]))
     elif fault == "timeout":
         kube.delay_objects("configmaps", "get", 2.0)
     else:
@@ -414,3 +415,23 @@ def test_a_slow_api_holds_a_tick_up_only_for_the_read_budget(kube: FakeKube,
     assert "took over 0.2s" in caplog.text
     assert later is True and stored(kube)["states"]["p"].percent == 20
     assert [w.status for w in writes(kube)] == [201, 200]
+
+
+def test_the_fake_answers_a_stale_replace_with_the_apis_conflict_status(kube: FakeKube) -> None:
+    a, _ = replica(kube, "a", leading=True)
+    tick(a, 0.0)
+    obj = stored(kube)["obj"]
+    stale = {**obj, "metadata": {**obj["metadata"], "resourceVersion": "1"}}
+    request = urllib.request.Request(f"{kube.host}/api/v1/namespaces/{NS}/configmaps/{CM}",
+                                     data=json.dumps(stale).encode(), method="PUT",
+                                     headers={"content-type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=5)
+    body = json.loads(caught.value.read())
+    assert caught.value.code == 409
+    assert {k: body[k] for k in ("kind", "apiVersion", "status", "reason", "code")} == {
+        "kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict",
+        "code": 409}
+    assert body["details"] == {"name": CM, "group": "", "kind": "configmaps"}
+    assert "the object has been modified" in body["message"]
+    assert stored_rv(kube) == obj["metadata"]["resourceVersion"]  # nothing was written
