@@ -165,8 +165,6 @@ class LeaseElector:
         self._delivered: LeaderState | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._pending = False
-        self.acquired_at: float | None = None  # monotonic, last time leading started
-        self.lost_at: float | None = None  # monotonic, last time leading ended (seen)
 
     @classmethod
     def from_config(cls, config: KubernetesCoordinationConfig, **options: Any) -> LeaseElector:
@@ -366,10 +364,8 @@ class LeaseElector:
             return
         LEADER.labels(identity=self.identity).set(int(state.leading))
         if state.leading and not (previous and previous.leading):
-            self.acquired_at = self.monotonic()
             log.info("leading: %s holds Lease %s", self.identity, state.lease)
         elif previous is not None and previous.leading and not state.leading:
-            self.lost_at = self.monotonic()
             log.warning("stopped leading (Lease %s; holder now %s%s)", state.lease,
                         state.holder or "nobody",
                         f"; last error: {state.last_error}" if state.last_error else "")
