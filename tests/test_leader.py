@@ -20,6 +20,7 @@ from xds_server.leader import LEADER, LeaseElector, coordination_api_client
 NS, NAME = "trimtab", "trimtab-leader"
 LEASE_S, RENEW_S, DEADLINE_S = 3, 0.5, 2.0
 # RFC 3339 with an offset: the client sends MicroTimes as datetime.isoformat() (UTC)
+SAMPLING_SLACK_S = 0.4  # a sampling thread or loop on a busy 2-core box runs late by this much
 MICROTIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,6})?(Z|\+00:00)$")
 
 
@@ -264,7 +265,8 @@ def test_a_partitioned_leader_stops_leading_before_another_can_take_the_lease(
     a_stopped = next(t for t, ra, _ in samples if not ra)
     b_leads = next(t for t, _, rb in samples if rb)
     assert a_stopped < b_leads
-    assert a_stopped - cut_at <= 1.2 + 0.05  # within the renew deadline of its last renewal
+    # within the renew deadline of its last renewal (+ the sampler's own scheduling)
+    assert a_stopped - cut_at <= 1.2 + SAMPLING_SLACK_S
     assert b_leads - cut_at <= 2 + 0.2 + 0.5  # lease_seconds + one retry (+ request time)
 
 
@@ -295,5 +297,5 @@ def test_the_loop_learns_of_a_lost_lease_at_the_deadline_though_the_thread_is_st
     finally:
         kube.partition(port, cut=False)
         a.stop(release=False)
-    assert flipped_at - cut_at <= 1.0 + 0.1  # the deadline, not the 3 s request timeout
+    assert flipped_at - cut_at <= 1.0 + SAMPLING_SLACK_S  # the deadline, not the 3 s timeout
     assert [leading for _, leading in changes] == [True, False]
