@@ -323,6 +323,70 @@ def test_rbac_only_reads_endpointslices():
     assert not [o for o in objects() if o["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
 
 
+def _template_labels(workload: dict[str, Any]) -> dict[str, str]:
+    return workload["spec"]["template"]["metadata"]["labels"]
+
+
+def test_trimtab_runs_three_replicas_spread_over_nodes_under_a_disruption_budget():
+    deployment = find("Deployment", "trimtab")
+    assert deployment["spec"]["replicas"] == 3
+    labels = _template_labels(deployment)
+    spec = deployment["spec"]["template"]["spec"]
+    spread = {c["topologyKey"]: c for c in spec["topologySpreadConstraints"]}
+    hostname = spread["kubernetes.io/hostname"]
+    assert hostname["maxSkew"] == 1 and hostname["whenUnsatisfiable"] == "DoNotSchedule"
+    for constraint in spread.values():
+        assert constraint["labelSelector"]["matchLabels"].items() <= labels.items()
+    pdb = find("PodDisruptionBudget", "trimtab")
+    assert pdb["apiVersion"] == "policy/v1"
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert pdb["spec"]["maxUnavailable"] == 1 < deployment["spec"]["replicas"]
+    (container,) = spec["containers"]
+    env = {e["name"]: e for e in container.get("env", [])}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert trimtab_config().coordination.kubernetes.identity is None  # so $POD_NAME it is
+
+
+def test_replicas_elect_a_leader_and_keep_rollout_state_in_the_api_server():
+    config = trimtab_config()
+    k8s = config.coordination.kubernetes
+    assert k8s is not None and k8s.namespace == kustomization()["namespace"]
+    assert k8s.api_server is None  # in-cluster service account
+    assert k8s.renew_seconds < k8s.renew_deadline < k8s.lease_seconds
+    assert "drive" not in config.rollouts.model_fields_set  # deprecated, not set
+    lease = find("Lease", k8s.lease_name)
+    assert lease["apiVersion"] == "coordination.k8s.io/v1"
+    state = find("ConfigMap", k8s.state_configmap)
+    assert "data" not in state  # re-applying deploy/ never touches what trimtab wrote
+    # Envoys spread over the replicas: connections age out (gRPC jitters the age ±10 %)
+    limits = config.xds.limits
+    assert limits.max_connection_age_seconds is not None
+    assert 60 <= limits.max_connection_age_seconds <= 3600
+    assert limits.max_connection_age_grace_seconds > 0
+    # one Prometheus for every replica: same inputs, the model servers scraped once
+    assert config.telemetry.source == "prometheus"
+    assert config.telemetry.prometheus.url.startswith("http://prometheus.monitoring.svc")
+    assert all(pool.source(config) == "prometheus" for pool in config.pools)
+
+
+def test_rbac_for_coordination_is_get_and_update_of_the_two_named_objects():
+    k8s = trimtab_config().coordination.kubernetes
+    assert k8s is not None
+    rules = find("Role", "trimtab-coordination")["rules"]
+    assert rules == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": [k8s.lease_name], "verbs": ["get", "update"]},
+        {"apiGroups": [""], "resources": ["configmaps"],
+         "resourceNames": [k8s.state_configmap], "verbs": ["get", "update"]}]
+    binding = find("RoleBinding", "trimtab-coordination")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "trimtab-coordination"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trimtab",
+                                    "namespace": "trimtab"}]
+    roles = {o["metadata"]["name"] for o in objects() if o["kind"] == "Role"}
+    assert roles == {"trimtab-endpointslice-reader", "trimtab-coordination"}
+
+
 # -- Envoy -------------------------------------------------------------------------------
 
 

@@ -24,6 +24,7 @@ from .explain import breakdown_document
 from .history import WeightHistory
 from .nack_log import NackLog
 from .rollout import RolloutCommandError
+from .rollout_store import StateStoreError
 from .rollouts import RolloutPersistError
 from .security import bearer_middleware
 from .status_page import add_status_routes
@@ -148,7 +149,8 @@ class AdminApi:
     async def readyz(self, request: web.Request) -> web.Response:
         ready = self.is_ready()
         return _json({"ready": ready, "ticks": self.controller.stats.ticks,
-                      "snapshot": getattr(self.controller.cache.snapshot, "version", None)},
+                      "snapshot": getattr(self.controller.cache.snapshot, "version", None),
+                      "leader": self.controller.rollouts.leader_document()},
                      200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
@@ -174,22 +176,26 @@ class AdminApi:
         return _json(self.controller.config.model_dump(mode="json"))
 
     async def rollout_list(self, request: web.Request) -> web.Response:
-        return _json({"rollouts": self.controller.rollouts.document()})
+        return _json({"rollouts": self.controller.rollouts.document(),
+                      "leader": self.controller.rollouts.leader_document()})
 
     async def rollout_command(self, request: web.Request) -> web.Response:
         pool, action = request.match_info["pool"], request.match_info["action"]
         if pool not in self.controller.rollouts.pools:
             return json_error(404, f"no rollout for pool {pool!r} (a pool needs `versions`)")
         if not self.controller.rollouts.drive:
-            return json_error(409, "this replica follows the rollout state file "
-                                   "(rollouts.drive: false); send commands to the driving one")
+            return json_error(409, self.controller.rollouts.refusal())
         try:
-            state = self.controller.rollouts.command(pool, action, self.controller.clock())
+            state = await self.controller.rollouts.acommand(pool, action,
+                                                            self.controller.clock())
         except RolloutCommandError as exc:
             return json_error(409 if action in ROLLOUT_ACTIONS else 400, str(exc))
         except RolloutPersistError as exc:  # ours/the environment's: nothing was changed
             log.error("rollout command %s %s refused: %s", action, pool, exc)
             return json_error(500, f"{exc}; the command was not applied")
+        except StateStoreError as exc:  # the API server's or the disk's: nothing changed
+            log.error("rollout command %s %s not applied: %s", action, pool, exc)
+            return json_error(503, f"{exc}; the command was not applied")
         self.controller.set_canary_percent(self.controller.rollouts.percents())
         self.controller.publish()
         return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},

@@ -15,10 +15,12 @@ from .admin import AdminApi, start_admin, weights_document
 from .cache import SnapshotCache
 from .config import Config, ConfigError, load_config
 from .controller import Controller
+from .coordination import kubernetes_rollouts, warn_deprecated_drive
 from .discovery import Discovery
 from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
 from .history import WeightHistory
 from .keda.scaler import ExternalScalerServicer, start_scaler_server
+from .leader import LeaseElector
 from .listen import listening
 from .nack_log import NackLog
 from .protocol import StreamLimits
@@ -40,7 +42,8 @@ SHUTDOWN_GRACE_S = 2.0
 
 # Keys read once at start (listen addresses, TLS, server limits, the admin token, the state
 # file): a reload that changes one is refused, naming it.
-RESTART_ONLY = ("xds", "admin", "keda.address", "rollouts.state_file")
+RESTART_ONLY = ("xds", "admin", "keda.address", "rollouts.state_file",
+                "coordination")  # the Lease elector and the state store are built at start
 
 
 def _leaves(value: object, path: str) -> dict[str, object]:
@@ -90,7 +93,12 @@ class Trimtab:
         self.config = config
         self.config_path = config_path
         self.cache = SnapshotCache()
-        self.controller = Controller(config, self.cache, state_file=state_file_path(config, config_path))
+        warn_deprecated_drive(config)
+        coordinated = kubernetes_rollouts(config)  # None: embedded mode (the state file)
+        self.elector: LeaseElector | None = coordinated[1] if coordinated else None
+        self.controller = Controller(config, self.cache,
+                                     state_file=state_file_path(config, config_path),
+                                     rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
         self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)
@@ -145,6 +153,8 @@ class Trimtab:
         self._admin = await listening(self.config.admin.address,
                                       lambda: start_admin(api, admin.host, admin.port))
         self.discovery.start(self.config)
+        if self.elector is not None:
+            self.elector.start()
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
                  self.config.admin.address, len(self.config.pools))
 
@@ -207,6 +217,9 @@ class Trimtab:
         self.controller.publish()
 
     async def close(self) -> None:
+        if self.elector is not None:  # first: stop driving, hand the Lease to another replica
+            elector, self.elector = self.elector, None
+            await elector.aclose(release=True)
         await self.discovery.close()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()

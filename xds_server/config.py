@@ -457,9 +457,45 @@ class KedaConfig(_Model):
 class RolloutsConfig(_Model):
     # Canary state survives restarts here; relative paths are relative to the config file.
     state_file: str = "trimtab-rollouts.json"
-    # With N replicas sharing the state file, exactly one drives (advances and writes); the
-    # others follow: they re-read the file every tick and route by it.
+    # Deprecated (embedded mode only; ignored with `coordination.kubernetes`, where the Lease
+    # holder drives): with N replicas sharing the state file, exactly one drives (advances
+    # and writes); the others follow: they re-read the file every tick and route by it.
     drive: bool = True
+
+
+class KubernetesCoordinationConfig(_Model):
+    """Leader election with a coordination.k8s.io/v1 Lease, rollout state in a ConfigMap."""
+
+    namespace: str = Field(min_length=1)
+    lease_name: str = Field("trimtab-leader", min_length=1)
+    lease_seconds: int = Field(15, ge=1)      # the Lease's leaseDurationSeconds
+    renew_seconds: float = Field(2.0, gt=0)   # how often the leader renews, candidates retry
+    # A leader that has not renewed for this long stops leading; default 2/3 of lease_seconds
+    renew_deadline_seconds: float | None = Field(None, gt=0)
+    state_configmap: str = Field("trimtab-rollouts", min_length=1)
+    identity: str | None = Field(None, min_length=1)  # default: $POD_NAME, else host + random
+    api_server: str | None = None             # default: in-cluster service account, else kubeconfig
+
+    @property
+    def renew_deadline(self) -> float:
+        if self.renew_deadline_seconds is not None:
+            return self.renew_deadline_seconds
+        return self.lease_seconds * 2 / 3
+
+    @model_validator(mode="after")
+    def _timing(self) -> KubernetesCoordinationConfig:
+        if not self.renew_seconds < self.renew_deadline < self.lease_seconds:
+            raise ValueError(
+                f"expected renew_seconds ({self.renew_seconds:g}) < renew deadline "
+                f"({self.renew_deadline:g}) < lease_seconds ({self.lease_seconds}): a leader "
+                f"must stop leading before another replica may take the Lease")
+        return self
+
+
+class CoordinationConfig(_Model):
+    """How replicas share the singleton duties (rollouts); absent: embedded mode."""
+
+    kubernetes: KubernetesCoordinationConfig | None = None
 
 
 class NodesConfig(_Model):
@@ -488,6 +524,7 @@ class Config(_Model):
     telemetry: TelemetryConfig = TelemetryConfig()
     weights: WeightsConfig = WeightsConfig()
     rollouts: RolloutsConfig = RolloutsConfig()
+    coordination: CoordinationConfig = CoordinationConfig()
     keda: KedaConfig = KedaConfig()
     nodes: NodesConfig | None = None  # absent: every node sees every pool
     pools: list[PoolConfig] = Field(min_length=1)

@@ -64,10 +64,11 @@ class TickStats:
 
 class Controller:
     def __init__(self, config: Config, cache: SnapshotCache, scraper: Scraper | None = None,
-                 clock: Callable[[], float] = time.time, state_file: Path | None = None) -> None:
+                 clock: Callable[[], float] = time.time, state_file: Path | None = None,
+                 rollouts: Rollouts | None = None) -> None:
         self.cache = cache
         self.slo = SloTracker()
-        self.rollouts = Rollouts(config, state_file)
+        self.rollouts = rollouts if rollouts is not None else Rollouts(config, state_file)
         self.autoscaler = Autoscaler(config)
         self.clock = clock
         self.store = TelemetryStore()
@@ -231,7 +232,7 @@ class Controller:
         read_at = time.monotonic()  # convergence is measured from here to the ACK
         await self.ingest_off_loop(await self.collect())
         if self.rollouts.pools:
-            self.rollouts.tick(self.slo, self.clock())
+            await self.rollouts.atick(self.slo, self.clock())
             self.set_canary_percent(self.rollouts.percents())
         self.autoscaler.tick(self.weights, self.slo, self.clock())
         if self.stats.ticks == 0:

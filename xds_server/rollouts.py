@@ -124,6 +124,22 @@ class Rollouts:
             raise RolloutPersistError(f"cannot write the rollout state file "
                                       f"{self.state_file}: {exc.strerror or exc}") from None
 
+    # -- the interface the controller and the admin API use (coordination.py overrides) --
+
+    async def atick(self, tracker: SloTracker, now: float) -> bool:
+        return self.tick(tracker, now)
+
+    async def acommand(self, name: str, action: str, now: float) -> RolloutState:
+        return self.command(name, action, now)
+
+    def refusal(self) -> str:
+        """Why this replica refuses rollout commands (when it does not drive)."""
+        return ("this replica follows the rollout state file (rollouts.drive: false); send "
+                "commands to the driving one")
+
+    def leader_document(self) -> dict[str, object]:
+        return {"mode": "embedded", "leading": self.drive}
+
     def document(self) -> dict[str, object]:
         return {name: {"phase": s.phase, "percent": s.percent, "step": s.step,
                        "step_started_at": s.step_started_at, "reason": s.reason,

@@ -15,6 +15,19 @@ control method is thread-safe (it runs on that loop). Test knobs:
 - :meth:`FakeKube.fail_next` answers the next requests with an HTTP error Status
   (:meth:`FakeKube.clear_failures` cancels the rest);
 - :attr:`FakeKube.requests` records every list/watch request and the resourceVersion it asked for.
+
+It also serves get/create/replace of single objects, as the API server does for
+``coordination.k8s.io/v1`` Leases (``/apis/coordination.k8s.io/v1/namespaces/{ns}/leases``) and
+``v1`` ConfigMaps (``/api/v1/namespaces/{ns}/configmaps``): every write gets a new
+resourceVersion from the same counter; a create of an existing name is 409 ``AlreadyExists``,
+a replace whose ``metadata.resourceVersion`` is not the stored one is 409 ``Conflict`` (the
+API's Status bodies), a missing object 404 ``NotFound``; Lease times must be RFC 3339
+MicroTimes. Knobs: :meth:`FakeKube.fail_objects` (an HTTP error Status, e.g. 409, 410, 500, for
+the next requests of one operation), :meth:`FakeKube.delay_objects` (hold the next answers:
+client timeouts), :meth:`FakeKube.modify` (a concurrent writer, e.g. between a client's read
+and its replace via :meth:`FakeKube.modify_before`), and :meth:`FakeKube.add_port` /
+:meth:`FakeKube.partition` (extra listening ports; requests on a partitioned one are held
+unanswered until the client gives up, like a black-holed link).
 """
 
 from __future__ import annotations
@@ -22,8 +35,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
-from collections.abc import Awaitable
+import time
+import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -34,6 +50,28 @@ SERVICE_LABEL = "kubernetes.io/service-name"
 GoneForm = Literal["http", "event"]
 _POLL_S = 0.05  # how often an idle watch checks for a departed client
 _PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+# resource -> (collection path, apiVersion, kind, group for Status details)
+OBJECT_RESOURCES = {
+    "leases": ("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
+               "coordination.k8s.io/v1", "Lease", "coordination.k8s.io"),
+    "configmaps": ("/api/v1/namespaces/{namespace}/configmaps", "v1", "ConfigMap", ""),
+}
+ObjectOp = Literal["get", "create", "replace"]
+_MICROTIME = re.compile(r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d{1,9})?(Z|[+-]\d\d:\d\d)$")
+CONFIGMAP_MAX_BYTES = 1 << 20
+
+
+@dataclass(frozen=True)
+class ObjectRecord:
+    """One get/create/replace of a Lease or ConfigMap as the fake saw it."""
+
+    resource: str
+    op: str
+    namespace: str
+    name: str
+    resource_version: str | None  # the one the client sent (replace), else None
+    port: int
+    status: int = 0  # what the fake answered (0 while held / never answered)
 
 
 @dataclass(frozen=True)
@@ -136,10 +174,22 @@ class FakeKube:
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
     _runner: web.AppRunner | None = field(default=None, init=False, repr=False)
     _stopping: bool = field(default=False, init=False)
+    object_requests: list[ObjectRecord] = field(default_factory=list, init=False)
+    _objects: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict,
+                                                                 init=False)
+    _object_failures: list[tuple[str, str, int]] = field(default_factory=list, init=False)
+    _object_delays: list[tuple[str, str, float]] = field(default_factory=list, init=False)
+    _before: list[tuple[str, str, Callable[[dict[str, Any]], None]]] = field(
+        default_factory=list, init=False)
+    _partitioned: set[int] = field(default_factory=set, init=False)
+    _sites: list[web.TCPSite] = field(default_factory=list, init=False)
 
     @property
     def host(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def host_on(self, port: int) -> str:
+        return f"http://127.0.0.1:{port}"
 
     # -- lifecycle ---------------------------------------------------------
 
@@ -176,6 +226,11 @@ class FakeKube:
         self._changed = asyncio.Event()
         app = web.Application()
         app.router.add_get(_PATH, self._handle)
+        for resource, (path, *_rest) in OBJECT_RESOURCES.items():
+            collection = path
+            app.router.add_post(collection, self._object_handler(resource, "create"))
+            app.router.add_get(collection + "/{name}", self._object_handler(resource, "get"))
+            app.router.add_put(collection + "/{name}", self._object_handler(resource, "replace"))
         self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -221,6 +276,48 @@ class FakeKube:
 
     def clear_failures(self) -> None:
         self._call(self._clear_failures())
+
+    # -- Leases and ConfigMaps (thread-safe) --------------------------------------
+
+    def get_object(self, resource: str, name: str, namespace: str = "default"
+                   ) -> dict[str, Any] | None:
+        """A deep copy of the stored object, or None."""
+        return self._call(self._get_object(resource, namespace, name))
+
+    def modify(self, resource: str, name: str, change: Callable[[dict[str, Any]], None],
+               namespace: str = "default") -> str:
+        """A concurrent writer: ``change`` edits the stored object in place; it gets a new
+        resourceVersion (returned)."""
+        return self._call(self._modify(resource, namespace, name, change))
+
+    def modify_before(self, resource: str, op: ObjectOp,
+                      change: Callable[[dict[str, Any]], None]) -> None:
+        """Run :meth:`modify` on the target object just before the next ``op`` is served:
+        a write that lands between a client's read and its replace."""
+        self._call(self._add(self._before, (resource, op, change)))
+
+    def fail_objects(self, resource: str, op: ObjectOp, status: int = 500,
+                     count: int = 1) -> None:
+        """The next ``count`` ``op`` requests on ``resource`` get an HTTP error Status."""
+        self._call(self._add(self._object_failures, *[(resource, op, status)] * count))
+
+    def delay_objects(self, resource: str, op: ObjectOp, seconds: float, count: int = 1) -> None:
+        """Hold the next ``count`` answers for ``seconds`` (a client with a shorter timeout
+        gives up; the operation is then not carried out)."""
+        self._call(self._add(self._object_delays, *[(resource, op, seconds)] * count))
+
+    def add_port(self) -> int:
+        """Another listening port onto the same API server (one per client to partition)."""
+        return self._call(self._add_site())
+
+    def partition(self, port: int, cut: bool = True) -> None:
+        """While cut, requests arriving on ``port`` are held unanswered (a black hole)."""
+        self._call(self._set_partition(port, cut))
+
+    def object_records(self, resource: str | None = None, op: str | None = None
+                       ) -> list[ObjectRecord]:
+        return [r for r in list(self.object_requests)
+                if (resource is None or r.resource == resource) and (op is None or r.op == op)]
 
     def open_watches(self) -> int:
         return self._call(self._count_watchers())
@@ -277,12 +374,155 @@ class FakeKube:
     async def _count_watchers(self) -> int:
         return len(self._watchers)
 
+    async def _add(self, target: list[Any], *items: Any) -> None:
+        target.extend(items)
+
+    async def _get_object(self, resource: str, namespace: str, name: str
+                          ) -> dict[str, Any] | None:
+        stored = self._objects.get((resource, namespace, name))
+        return json.loads(json.dumps(stored)) if stored is not None else None
+
+    async def _modify(self, resource: str, namespace: str, name: str,
+                      change: Callable[[dict[str, Any]], None]) -> str:
+        stored = self._objects[(resource, namespace, name)]
+        change(stored)
+        self._rv += 1
+        stored["metadata"]["resourceVersion"] = str(self._rv)
+        return str(self._rv)
+
+    async def _add_site(self) -> int:
+        assert self._runner is not None
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self._sites.append(site)
+        server = site._server  # noqa: SLF001 - aiohttp exposes the port only here
+        assert server is not None
+        return int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+    async def _set_partition(self, port: int, cut: bool) -> None:
+        if cut:
+            self._partitioned.add(port)
+        else:
+            self._partitioned.discard(port)
+
+    def _take(self, items: list[Any], resource: str, op: str) -> Any:
+        for index, item in enumerate(items):
+            if item[0] == resource and item[1] == op:
+                del items[index]
+                return item[2]
+        return None
+
     def _take_failure(self, kind: str) -> int | None:
         for index, (failing_kind, status) in enumerate(self._failures):
             if failing_kind == kind:
                 del self._failures[index]
                 return status
         return None
+
+    # -- Leases and ConfigMaps: HTTP -----------------------------------------------
+
+    def _object_handler(self, resource: str, op: ObjectOp
+                        ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._serve_object(request, resource, op)
+        return handle
+
+
+    async def _serve_object(self, request: web.Request, resource: str, op: ObjectOp
+                            ) -> web.StreamResponse:
+        namespace = request.match_info["namespace"]
+        body: dict[str, Any] | None = None
+        if op != "get":
+            try:
+                body = json.loads(await request.read())
+            except ValueError:
+                return web.json_response(status_object(400, "BadRequest", "invalid JSON body"),
+                                         status=400)
+            if not isinstance(body, dict):
+                return web.json_response(status_object(400, "BadRequest", "expected an object"),
+                                         status=400)
+        meta = (body or {}).get("metadata") or {}
+        name = request.match_info.get("name") or meta.get("name") or ""
+        sockname = request.transport.get_extra_info("sockname") if request.transport else None
+        port = int(sockname[1]) if sockname else 0
+        record = ObjectRecord(resource, op, namespace, name,
+                              meta.get("resourceVersion") if op == "replace" else None, port)
+        index = len(self.object_requests)
+        self.object_requests.append(record)
+        while port in self._partitioned and not self._stopping:
+            if request.transport is None or request.transport.is_closing():
+                return web.Response(status=499)  # the client gave up; nothing was done
+            await asyncio.sleep(_POLL_S)
+        delay = self._take(self._object_delays, resource, op)
+        if delay:
+            deadline = time.monotonic() + delay
+            while time.monotonic() < deadline and not self._stopping:
+                await asyncio.sleep(_POLL_S)
+            if request.transport is None or request.transport.is_closing():
+                self.object_requests[index] = replace_record(record, 499)
+                return web.Response(status=499)  # the client timed out; not carried out
+        response = self._object_answer(resource, op, namespace, name, body)
+        self.object_requests[index] = replace_record(record, response.status)
+        return response
+
+
+    def _object_answer(self, resource: str, op: ObjectOp, namespace: str, name: str,
+                       body: dict[str, Any] | None) -> web.Response:
+        key = (resource, namespace, name)
+        change = self._take(self._before, resource, op)
+        if change is not None and key in self._objects:
+            stored = self._objects[key]
+            change(stored)
+            self._rv += 1
+            stored["metadata"]["resourceVersion"] = str(self._rv)
+        failure = self._take(self._object_failures, resource, op)
+        if failure is not None:
+            reason = _REASONS.get(failure, "InternalError")
+            return web.json_response(object_status(failure, reason, f"injected {failure}",
+                                                    resource, name), status=failure)
+        qualified = _qualified(resource)
+        stored = self._objects.get(key)
+        if op == "get":
+            if stored is None:
+                return web.json_response(object_status(404, "NotFound",
+                                                       f'{qualified} "{name}" not found',
+                                                       resource, name), status=404)
+            return web.json_response(stored)
+        assert body is not None
+        _path, api_version, kind, _group = OBJECT_RESOURCES[resource]
+        problem = _PROBLEMS[resource](body)
+        if problem is not None:
+            return web.json_response(object_status(422, "Invalid",
+                                                   f'{kind} "{name}" is invalid: {problem}',
+                                                   resource, name), status=422)
+        if op == "create":
+            if stored is not None:
+                return web.json_response(object_status(409, "AlreadyExists",
+                                                       f'{qualified} "{name}" already exists',
+                                                       resource, name), status=409)
+            meta = {**(body.get("metadata") or {}), "name": name, "namespace": namespace,
+                    "uid": str(uuid.uuid4()),
+                    "creationTimestamp": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        else:
+            if stored is None:
+                return web.json_response(object_status(404, "NotFound",
+                                                       f'{qualified} "{name}" not found',
+                                                       resource, name), status=404)
+            sent = (body.get("metadata") or {}).get("resourceVersion")
+            if sent is not None and sent != stored["metadata"]["resourceVersion"]:
+                return web.json_response(object_status(
+                    409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{name}": the '
+                    f"object has been modified; please apply your changes to the latest version "
+                    f"and try again", resource, name), status=409)
+            meta = {**(body.get("metadata") or {}), "name": name, "namespace": namespace,
+                    "uid": stored["metadata"]["uid"],
+                    "creationTimestamp": stored["metadata"]["creationTimestamp"]}
+        self._rv += 1
+        meta["resourceVersion"] = str(self._rv)
+        obj = {**json.loads(json.dumps(body)), "kind": kind, "apiVersion": api_version,
+               "metadata": meta}
+        self._objects[key] = obj
+        return web.json_response(obj, status=201 if op == "create" else 200)
 
     # -- HTTP ------------------------------------------------------------------
 
@@ -382,3 +622,57 @@ class FakeKube:
             elif event.namespace == watcher.namespace and _matches(event.obj, watcher.selector):
                 chunks.append(_line(event.type, event.obj))
         return b"".join(chunks)
+
+
+# -- Leases and ConfigMaps --------------------------------------------------------------
+
+_REASONS = {400: "BadRequest", 404: "NotFound", 409: "Conflict", 410: "Gone", 422: "Invalid",
+            429: "TooManyRequests", 500: "InternalError", 503: "ServiceUnavailable",
+            504: "Timeout"}
+
+
+def object_status(code: int, reason: str, message: str, resource: str, name: str
+                  ) -> dict[str, Any]:
+    """A Status body as the API server sends it for one object."""
+    body = status_object(code, reason, message)
+    body["details"] = {"name": name, "group": OBJECT_RESOURCES[resource][3], "kind": resource}
+    return body
+
+
+def _qualified(resource: str) -> str:
+    group = OBJECT_RESOURCES[resource][3]
+    return f"{resource}.{group}" if group else resource
+
+
+def _lease_problem(obj: dict[str, Any]) -> str | None:
+    spec = obj.get("spec") or {}
+    for key in ("acquireTime", "renewTime"):
+        value = spec.get(key)
+        if value is not None and not (isinstance(value, str) and _MICROTIME.match(value)):
+            return f"spec.{key}: {value!r} is not an RFC 3339 MicroTime"
+    duration = spec.get("leaseDurationSeconds")
+    if duration is not None and (not isinstance(duration, int) or isinstance(duration, bool)
+                                 or duration <= 0):
+        return f"spec.leaseDurationSeconds: must be a positive integer, got {duration!r}"
+    transitions = spec.get("leaseTransitions")
+    if transitions is not None and (not isinstance(transitions, int) or transitions < 0):
+        return f"spec.leaseTransitions: must be >= 0, got {transitions!r}"
+    return None
+
+
+def _configmap_problem(obj: dict[str, Any]) -> str | None:
+    data = obj.get("data") or {}
+    if not isinstance(data, dict) or not all(isinstance(v, str) for v in data.values()):
+        return "data: values must be strings"
+    size = sum(len(k) + len(v.encode()) for k, v in data.items())
+    if size > CONFIGMAP_MAX_BYTES:
+        return f"data: Too long: must have at most {CONFIGMAP_MAX_BYTES} bytes"
+    return None
+
+
+_PROBLEMS = {"leases": _lease_problem, "configmaps": _configmap_problem}
+
+
+def replace_record(record: ObjectRecord, status: int) -> ObjectRecord:
+    return ObjectRecord(record.resource, record.op, record.namespace, record.name,
+                        record.resource_version, record.port, status)
