@@ -139,8 +139,65 @@ class AdminConfig(_Addressed):
     auth: AdminAuthConfig = AdminAuthConfig()
 
 
+class NumberRangeConfig(_Model):
+    """A range of a JSON number in the request body: ``min`` inclusive, ``max`` exclusive."""
+
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> NumberRangeConfig:
+        values = [v for v in (self.min, self.max) if v is not None]
+        if not values:
+            raise ValueError("give min, max or both")
+        if any(v != v or abs(v) > 1e15 for v in values):
+            raise ValueError("min and max must be finite numbers within +-1e15")
+        if self.min is not None and self.max is not None and self.max <= self.min:
+            raise ValueError(f"max ({self.max}) must be above min ({self.min})")
+        return self
+
+
+class RequestClassConfig(_Model):
+    """Requests for this pool's model that match every condition given go to `pool` instead
+    (xds_server/request_features.py). Checked in order, before the prompt-size classes."""
+
+    pool: str = Field(min_length=1)
+    modality: Literal["image", "audio"] | None = None  # a message content part of that kind
+    max_tokens: NumberRangeConfig | None = None   # max_completion_tokens, else max_tokens
+    stream: bool | None = None                    # the body's "stream" (must be present)
+    n: NumberRangeConfig | None = None
+    temperature: NumberRangeConfig | None = None
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> RequestClassConfig:
+        if all(getattr(self, key) is None for key in REQUEST_FEATURES):
+            raise ValueError(f"needs at least one of {', '.join(REQUEST_FEATURES)}")
+        return self
+
+
+REQUEST_FEATURES: tuple[str, ...] = ("modality", "max_tokens", "stream", "n", "temperature")
+
+
+class StaticResponseConfig(_Model):
+    """What a client gets instead of a 503 when this pool (and its fallback) has no healthy
+    host: the seed's StaticResponse fallback."""
+
+    status: int = Field(200, ge=200, le=599)
+    body: str = Field(min_length=1, max_length=64 * 1024)
+    content_type: str = Field("application/json", min_length=1, max_length=256)
+
+
+class LocalRepliesConfig(_Model):
+    """Envoy's own answers (no healthy host, overflow, timeout) as OpenAI-shaped JSON."""
+
+    retry_after_seconds: int = Field(5, ge=0, le=86_400)  # on 503s; 0: no Retry-After header
+
+
 class ListenerConfig(_Addressed):
     address: str = "0.0.0.0:10000"
+    local_replies: LocalRepliesConfig = LocalRepliesConfig()
+    # Modality: look at most this many bytes of a body (from its start) for content parts.
+    modality_inspect_bytes: int = Field(1024 * 1024, ge=1024, le=8 * 1024 * 1024)
 
 
 SourceName = Literal["scrape", "prometheus", "static", "file"]
@@ -382,6 +439,8 @@ class PoolConfig(_Model):
     discovery: DiscoveryConfig | None = None    # endpoints from Kubernetes EndpointSlices
     telemetry_source: SourceName | None = None  # default: telemetry.source
     itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
+    request_classes: list[RequestClassConfig] = Field(default_factory=list)
+    static_response: StaticResponseConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -601,6 +660,7 @@ def _name_checks(config: Config) -> list[tuple[str, str]]:
         problems.append((f"pools[{index}].name",
                          f"duplicate pool name {config.pools[index].name!r} (also pools[{first}])"))
     class_targets = {c.pool for p in config.pools for c in p.size_classes()}
+    class_targets |= {c.pool for p in config.pools for c in p.request_classes}
     models = [p.model if p.name not in class_targets else f"\0{p.name}" for p in config.pools]
     for index, first in _duplicates(models):
         problems.append((f"pools[{index}].model",
@@ -658,7 +718,16 @@ def _cross_checks(config: Config) -> list[tuple[str, str]]:
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
+    problems += _request_class_checks(config)
     return problems + _security_checks(config)
+
+
+def _request_class_checks(config: Config) -> list[tuple[str, str]]:
+    names = {pool.name for pool in config.pools}
+    return [(f"pools[{p}].request_classes[{i}].pool", f"expected another pool's name, got "
+             f"{cls.pool!r}")
+            for p, pool in enumerate(config.pools) for i, cls in enumerate(pool.request_classes)
+            if cls.pool not in names or cls.pool == pool.name]
 
 
 def _security_checks(config: Config) -> list[tuple[str, str]]:

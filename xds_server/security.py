@@ -406,6 +406,7 @@ def node_pool_problems(clusters: Mapping[str, Sequence[str]], config: Config
 
 def _dependencies(pool: PoolConfig) -> set[str]:
     deps = {size.pool for size in pool.size_classes()}
+    deps |= {cls.pool for cls in pool.request_classes}
     if pool.fallback is not None:
         deps.add(pool.fallback)
     return deps - {pool.name}
