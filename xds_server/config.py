@@ -187,6 +187,24 @@ class StaticResponseConfig(_Model):
     content_type: str = Field("application/json", min_length=1, max_length=256)
 
 
+class ModelVersionsConfig(_Model):
+    """A request asking for a model version (header, or a body field) goes to the pool serving
+    it while that pool has healthy hosts, else to this pool (an aggregate cluster)."""
+
+    header: str = Field("x-model-version", min_length=1, max_length=128)
+    body_field: str | None = Field("model_version", min_length=1, max_length=128)  # None: off
+    pools: dict[str, str] = Field(min_length=1)  # version label -> the pool serving it
+
+    @field_validator("pools")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for label in value:
+            if not label or len(label) > 128 or any(ch.isspace() for ch in label):
+                raise ValueError(f"expected version labels of 1..128 characters without "
+                                 f"spaces, got {label!r}")
+        return value
+
+
 class LocalRepliesConfig(_Model):
     """Envoy's own answers (no healthy host, overflow, timeout) as OpenAI-shaped JSON."""
 
@@ -441,6 +459,7 @@ class PoolConfig(_Model):
     itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
     request_classes: list[RequestClassConfig] = Field(default_factory=list)
     static_response: StaticResponseConfig | None = None
+    model_versions: ModelVersionsConfig | None = None
 
     @field_validator("name")
     @classmethod
@@ -661,6 +680,8 @@ def _name_checks(config: Config) -> list[tuple[str, str]]:
                          f"duplicate pool name {config.pools[index].name!r} (also pools[{first}])"))
     class_targets = {c.pool for p in config.pools for c in p.size_classes()}
     class_targets |= {c.pool for p in config.pools for c in p.request_classes}
+    class_targets |= {t for p in config.pools if p.model_versions
+                      for t in p.model_versions.pools.values()}
     models = [p.model if p.name not in class_targets else f"\0{p.name}" for p in config.pools]
     for index, first in _duplicates(models):
         problems.append((f"pools[{index}].model",
@@ -727,7 +748,15 @@ def _request_class_checks(config: Config) -> list[tuple[str, str]]:
     return [(f"pools[{p}].request_classes[{i}].pool", f"expected another pool's name, got "
              f"{cls.pool!r}")
             for p, pool in enumerate(config.pools) for i, cls in enumerate(pool.request_classes)
-            if cls.pool not in names or cls.pool == pool.name]
+            if cls.pool not in names or cls.pool == pool.name] + _version_checks(config, names)
+
+
+def _version_checks(config: Config, names: set[str]) -> list[tuple[str, str]]:
+    return [(f"pools[{p}].model_versions.pools.{label}", f"expected another pool's name, "
+             f"got {target!r}")
+            for p, pool in enumerate(config.pools) if pool.model_versions is not None
+            for label, target in pool.model_versions.pools.items()
+            if target not in names or target == pool.name]
 
 
 def _security_checks(config: Config) -> list[tuple[str, str]]:

@@ -31,6 +31,10 @@ NAMESPACE = "trimtab"
 MODEL_HEADER = "x-model"
 _FILTERS = "type.googleapis.com/envoy.extensions.filters"
 _FAR = 1e300  # an open end of a DoubleRange
+_PRIORITIES = {"name": "envoy.retry_priorities.previous_priorities",
+               "typed_config": {"@type": "type.googleapis.com/envoy.extensions.retry.priority."
+                                         "previous_priorities.v3.PreviousPrioritiesConfig",
+                                "update_frequency": 1}}
 # Body field -> (metadata key, json_to_metadata type). Later rules overwrite earlier ones, so
 # max_completion_tokens (OpenAI's current name) wins over max_tokens when both are present.
 _GENERATION_RULES: dict[str, tuple[str, str]] = {
@@ -57,7 +61,8 @@ def json_rules(config: Config) -> list[dict[str, Any]]:
             if getattr(cls, key) is not None}
     return [{"selectors": [{"key": field}],
              "on_present": {"metadata_namespace": NAMESPACE, "key": key, "type": kind}}
-            for field, (key, kind) in _GENERATION_RULES.items() if key in used]
+            for field, (key, kind) in _GENERATION_RULES.items() if key in used
+            ] + version_rules(config)
 
 
 def _range(key: str, bounds: NumberRangeConfig) -> dict[str, Any]:
@@ -98,12 +103,76 @@ def class_routes(pool: PoolConfig, source: str, model_match: dict[str, Any],
     return routes
 
 
+def targets(pool: PoolConfig) -> set[str]:
+    """Pools `pool` sends requests to through its request classes and model versions."""
+    versions = set(pool.model_versions.pools.values()) if pool.model_versions else set()
+    return {cls.pool for cls in pool.request_classes} | versions
+
+
 def same_model_targets(config: Config) -> set[str]:
-    """Pools that only serve another pool's request class and share its model name (they get
-    no model routes of their own)."""
+    """Pools that only serve another pool's request class or model version and share its
+    model name (they get no model routes of their own)."""
     models = {pool.name: pool.model for pool in config.pools}
-    return {cls.pool for pool in config.pools for cls in pool.request_classes
-            if models.get(cls.pool) == pool.model}
+    return {target for pool in config.pools for target in targets(pool)
+            if models.get(target) == pool.model}
+
+
+# -- model versions ---------------------------------------------------------------------------
+
+
+def version_cluster(pool: PoolConfig, target: str) -> str:
+    """The aggregate cluster [target, pool (, pool's fallback)]; pool names never start with
+    the reserved 'trimtab-', so this cannot clash with a pool's cluster."""
+    return f"trimtab-version-{pool.name}-{target}"
+
+
+def version_members(pool: PoolConfig, target: str) -> list[str]:
+    return [target, pool.name, *([pool.fallback] if pool.fallback is not None else [])]
+
+
+def version_clusters(pool: PoolConfig) -> list[str]:
+    if pool.model_versions is None:
+        return []
+    return sorted({version_cluster(pool, t) for t in pool.model_versions.pools.values()})
+
+
+def version_routes(config: Config, pool: PoolConfig, source: str,
+                   model_match: dict[str, Any], action: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per version label: one route for the header, one for the body field. `action` is the
+    pool's stable route action; the cluster becomes the version's aggregate, retries skip the
+    priority (member) already tried, and sessions hash by the version pool's affinity header
+    (else the pool's), so a session stays within its version."""
+    versions = pool.model_versions
+    if versions is None:
+        return []
+    routes = []
+    for label, target in versions.pools.items():
+        forward = {key: value for key, value in action.items()
+                   if key not in ("cluster", "weighted_clusters", "hash_policy")}
+        forward["cluster"] = version_cluster(pool, target)
+        forward["retry_policy"] = {**action["retry_policy"], "retry_priority": _PRIORITIES}
+        affinity = config.pool(target).affinity or pool.affinity
+        if affinity is not None:
+            forward["hash_policy"] = [{"header": {"header_name": affinity.header}}]
+        by_header = {**model_match, "headers": [*model_match.get("headers", []), {
+            "name": versions.header, "string_match": {"exact": label}}]}
+        routes.append({"name": f"{source}:{pool.name}:version:{label}", "match": by_header,
+                       "route": forward})
+        if versions.body_field is not None:
+            by_body = {**model_match, "dynamic_metadata": [
+                *model_match.get("dynamic_metadata", []),
+                _metadata("model_version", {"string_match": {"exact": label}})]}
+            routes.append({"name": f"{source}:{pool.name}:version-body:{label}",
+                           "match": by_body, "route": forward})
+    return routes
+
+
+def version_rules(config: Config) -> list[dict[str, Any]]:
+    fields = sorted({pool.model_versions.body_field for pool in config.pools
+                     if pool.model_versions is not None and pool.model_versions.body_field})
+    return [{"selectors": [{"key": field}],
+             "on_present": {"metadata_namespace": NAMESPACE, "key": "model_version",
+                            "type": "STRING"}} for field in fields]
 
 
 # -- modality ---------------------------------------------------------------------------------

@@ -131,6 +131,9 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
+    routes += request_features.version_routes(config, pool, source,
+                                              _model_match(source, pool.model, []),
+                                              _action(pool, percent, "stable"))
     if pool.versions is not None:
         for version in ("canary", "stable"):
             forced = {"name": CANARY_HEADER, "string_match": {"exact": version}}

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 SETTLE_S = 15.0
 INSPECT_BYTES = 64 * 1024
 RETRY_AFTER_S = 7
-ROLES = ["chat", "chat-vl", "chat-longgen", "chat-batch", "dead", "static", "slow", "tight"]
+ROLES = ["chat", "chat-vl", "chat-longgen", "chat-batch", "dead", "static", "slow", "tight",
+         "ver", "ver-next", "ver-next", "ver-next"]
 STATIC_BODY = json.dumps({"choices": [{"message": {"role": "assistant",
                                                    "content": "We are busy; try later."}}]})
 SLOW_TIMEOUT_S = 0.3
@@ -46,16 +47,22 @@ class Stack:
     def at(self, role: str) -> str:
         return self.fleet.addresses[ROLES.index(role)]
 
+    def indices(self, role: str) -> list[int]:
+        return [i for i, name in enumerate(ROLES) if name == role]
+
     def role_of(self, address: str) -> str:
         return ROLES[self.fleet.addresses.index(address)]
 
 
 def _pool(role: str, model: str, **extra: Any) -> dict[str, Any]:
-    return {"name": role, "model": model, "endpoints": [{"address": role}], **extra}
+    return {"name": role, "model": model, **extra}
+
+
+HEALTH = {"path": "/health", "interval_seconds": 0.25, "timeout_seconds": 0.5,
+          "unhealthy_threshold": 1, "healthy_threshold": 1}
 
 
 def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
-    address = dict(zip(ROLES, fleet.addresses, strict=True))
     classes = [{"pool": "chat-vl", "modality": "image"},
                {"pool": "chat-longgen", "max_tokens": {"min": 4097}},
                {"pool": "chat-batch", "stream": False}]
@@ -71,9 +78,13 @@ def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
                                                     "max_pending_requests": 1,
                                                     "max_requests": 1},
               retry_policy={"num_retries": 0}),
+        _pool("ver", "m-ver", model_versions={"pools": {"2": "ver-next"}}),
+        _pool("ver-next", "m-ver", affinity={"header": "x-session-id", "hash": "ring_hash"},
+              health_check=HEALTH),
     ]
     for pool in pools:
-        pool["endpoints"] = [{"address": address[pool["name"]]}]
+        pool["endpoints"] = [{"address": address} for address, role
+                             in zip(fleet.addresses, ROLES, strict=True) if role == pool["name"]]
     return {
         "xds": {"address": f"127.0.0.1:{ports['xds']}"},
         "admin": {"address": f"127.0.0.1:{ports['admin']}"},
@@ -89,7 +100,7 @@ def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     workdir = tmp_path_factory.mktemp("features")
     ports = {name: free_port() for name in ("xds", "admin", "listener", "envoy_admin")}
-    fleet = BackendFleet(len(ROLES)).start()
+    fleet = BackendFleet(len(ROLES), health_path="/health").start()
     for role in DEAD:
         fleet.kill(ROLES.index(role))
     config_path = workdir / "trimtab.yaml"
@@ -302,3 +313,66 @@ def test_our_own_json_answers_are_left_alone(stack: Stack) -> None:
     _assert_openai_error(reply, 404, "model_not_found")
     assert "retry-after" not in reply.headers
     _assert_openai_error(_send(stack, _chat(model=None)), 400, "model_required")
+
+
+# -- model versions -----------------------------------------------------------------------------
+
+
+def _sessions(stack: Stack, headers: dict[str, str], body: dict[str, Any], count: int
+              ) -> dict[str, set[str]]:
+    """session id -> the backend addresses that answered its requests (4 each)."""
+    homes: dict[str, set[str]] = {}
+    for n in range(count):
+        session = {"x-session-id": f"s-{n}", **headers}
+        homes[session["x-session-id"]] = {_backend(stack, body, session) for _ in range(4)}
+    return homes
+
+
+def _backend(stack: Stack, body: dict[str, Any], headers: dict[str, str]) -> str:
+    reply = _send(stack, body, headers)
+    assert reply.status == 200 and reply.backend is not None, (reply.status, reply.raw[:200])
+    return reply.backend
+
+
+def test_a_version_header_goes_to_that_version_and_sessions_stay_within_it(stack: Stack
+                                                                            ) -> None:
+    homes = _sessions(stack, {"x-model-version": "2"}, _chat("m-ver"), 24)
+    assert all(len(found) == 1 for found in homes.values()), homes  # a session sticks
+    used = set().union(*homes.values())
+    assert {stack.role_of(address) for address in used} == {"ver-next"}, used
+    assert len(used) >= 2, used  # different sessions spread over the version's hosts
+    body = _chat("m-ver", model_version="2")  # the body field works like the header
+    assert _lands(stack, body) == "ver-next"
+    assert _lands(stack, _chat(model=None), {"x-model": "m-ver", "x-model-version": "2"}) == \
+        "ver-next"
+
+
+def test_no_or_an_unknown_version_never_reaches_the_versions_pool(stack: Stack) -> None:
+    for headers in ({}, {"x-model-version": "3"}, {"x-model-version": ""}):
+        assert {_lands(stack, _chat("m-ver"), headers) for _ in range(10)} == {"ver"}, headers
+    assert _lands(stack, _chat("m-ver", model_version="7")) == "ver"
+
+
+def test_a_version_without_healthy_hosts_falls_back_to_the_pools_split(stack: Stack) -> None:
+    indices = stack.indices("ver-next")
+    for index in indices:
+        stack.fleet.kill(index)
+    try:
+        wait_for(lambda: _version_hosts_healthy(stack), SETTLE_S,
+                 "Envoy's health checks failing every ver-next host", check=lambda n: n == 0)
+        for _ in range(20):
+            assert _lands(stack, _chat("m-ver"), {"x-model-version": "2"}) == "ver"
+    finally:
+        for index in indices:
+            stack.fleet.revive(index)
+    wait_for(lambda: _version_hosts_healthy(stack), SETTLE_S, "ver-next healthy again",
+             check=lambda n: n == len(indices))
+    assert _lands(stack, _chat("m-ver"), {"x-model-version": "2"}) == "ver-next"
+
+
+def _version_hosts_healthy(stack: Stack) -> int:
+    for status in stack.envoy.clusters_json().get("cluster_statuses", []):
+        if status.get("name") == "ver-next":
+            return sum(1 for host in status.get("host_statuses", [])
+                       if not host.get("health_status", {}).get("failed_active_health_check"))
+    return -1
