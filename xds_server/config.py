@@ -211,6 +211,53 @@ class LocalRepliesConfig(_Model):
     retry_after_seconds: int = Field(5, ge=0, le=86_400)  # on 503s; 0: no Retry-After header
 
 
+class ClassifierRuleConfig(_Model):
+    """The last user message is in `tier` when it contains one of `keywords` (case-insensitive)
+    or matches one of `patterns` (Python regular expressions), and its length in characters
+    is in [min_chars, max_chars). No keyword and no pattern: the length alone decides."""
+
+    tier: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    keywords: list[str] = Field(default_factory=list, max_length=1000)
+    patterns: list[str] = Field(default_factory=list, max_length=100)
+    min_chars: int = Field(0, ge=0)
+    max_chars: int | None = Field(None, gt=0)
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        import re
+
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {pattern!r} is not a regular expression: "
+                                 f"{exc}") from None
+        return value
+
+
+class ClassifierConfig(_Model):
+    """`trimtab classify`: an Envoy ext_proc service that puts a request in an intent tier.
+    Envoy fails open: a timeout or an outage routes to the pool's default."""
+
+    address: str = "127.0.0.1:18081"               # where `trimtab classify` listens (IP:port)
+    message_timeout_ms: int = Field(50, ge=1, le=10_000)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=8 * 1024 * 1024)  # larger: default
+    max_text_chars: int = Field(16_384, ge=16, le=1_000_000)  # of the last user message
+    metrics_address: str | None = None             # Prometheus /metrics of the classifier
+    rules: list[ClassifierRuleConfig] = Field(min_length=1)
+
+    @field_validator("address", "metrics_address")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            host = parse_host_port(value).host
+            if not is_ip(host):
+                raise ValueError(f"expected an IP address (Envoy connects to a socket address), "
+                                 f"got {host!r}")
+        return value
+
+
 class ListenerConfig(_Addressed):
     address: str = "0.0.0.0:10000"
     local_replies: LocalRepliesConfig = LocalRepliesConfig()
@@ -460,6 +507,7 @@ class PoolConfig(_Model):
     request_classes: list[RequestClassConfig] = Field(default_factory=list)
     static_response: StaticResponseConfig | None = None
     model_versions: ModelVersionsConfig | None = None
+    intent_tiers: dict[str, str] | None = None  # classifier tier -> pool
 
     @field_validator("name")
     @classmethod
@@ -568,6 +616,7 @@ class Config(_Model):
     rollouts: RolloutsConfig = RolloutsConfig()
     keda: KedaConfig = KedaConfig()
     nodes: NodesConfig | None = None  # absent: every node sees every pool
+    classifier: ClassifierConfig | None = None  # intent tiers (`trimtab classify`)
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:
@@ -680,6 +729,7 @@ def _name_checks(config: Config) -> list[tuple[str, str]]:
                          f"duplicate pool name {config.pools[index].name!r} (also pools[{first}])"))
     class_targets = {c.pool for p in config.pools for c in p.size_classes()}
     class_targets |= {c.pool for p in config.pools for c in p.request_classes}
+    class_targets |= {t for p in config.pools if p.intent_tiers for t in p.intent_tiers.values()}
     class_targets |= {t for p in config.pools if p.model_versions
                       for t in p.model_versions.pools.values()}
     models = [p.model if p.name not in class_targets else f"\0{p.name}" for p in config.pools]
@@ -756,7 +806,22 @@ def _version_checks(config: Config, names: set[str]) -> list[tuple[str, str]]:
              f"got {target!r}")
             for p, pool in enumerate(config.pools) if pool.model_versions is not None
             for label, target in pool.model_versions.pools.items()
-            if target not in names or target == pool.name]
+            if target not in names or target == pool.name] + _tier_checks(config, names)
+
+
+def _tier_checks(config: Config, names: set[str]) -> list[tuple[str, str]]:
+    problems = []
+    tiers = {rule.tier for rule in config.classifier.rules} if config.classifier else set()
+    for p, pool in enumerate(config.pools):
+        for tier, target in (pool.intent_tiers or {}).items():
+            path = f"pools[{p}].intent_tiers.{tier}"
+            if config.classifier is None:
+                problems.append((path, "intent tiers need a top-level `classifier`"))
+            elif tier not in tiers:
+                problems.append((path, f"no classifier rule puts requests in tier {tier!r}"))
+            if target not in names or target == pool.name:
+                problems.append((path, f"expected another pool's name, got {target!r}"))
+    return problems
 
 
 def _security_checks(config: Config) -> list[tuple[str, str]]:

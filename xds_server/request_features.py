@@ -23,11 +23,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2  # noqa: F401 - registers
 from envoy.extensions.filters.http.lua.v3 import lua_pb2  # noqa: F401 - registers the type
+from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
+from google.protobuf import json_format
 
-from .config import Config, NumberRangeConfig, PoolConfig, RequestClassConfig
+from .config import Config, NumberRangeConfig, PoolConfig, RequestClassConfig, parse_host_port
 
 NAMESPACE = "trimtab"
+CLASSIFIER_NAMESPACE = "trimtab.classifier"  # only the ext_proc filter writes it
+CLASSIFIER_CLUSTER = "trimtab-classifier"
+TIER_HEADER = "x-trimtab-tier"  # set for the upstream to see; routes match the metadata
+EXT_PROC = "envoy.filters.http.ext_proc"
 MODEL_HEADER = "x-model"
 _FILTERS = "type.googleapis.com/envoy.extensions.filters"
 _FAR = 1e300  # an open end of a DoubleRange
@@ -100,13 +108,21 @@ def class_routes(pool: PoolConfig, source: str, model_match: dict[str, Any],
                                      *class_matchers(cls)]
         routes.append({"name": f"{source}:{pool.name}:class{index}", "match": match,
                        "route": action_of(cls.pool)})
+    for tier, target in (pool.intent_tiers or {}).items():
+        match = dict(model_match)
+        match["dynamic_metadata"] = [*model_match.get("dynamic_metadata", []), {
+            "filter": CLASSIFIER_NAMESPACE, "path": [{"key": "tier"}],
+            "value": {"string_match": {"exact": tier}}}]
+        routes.append({"name": f"{source}:{pool.name}:tier:{tier}", "match": match,
+                       "route": action_of(target)})
     return routes
 
 
 def targets(pool: PoolConfig) -> set[str]:
     """Pools `pool` sends requests to through its request classes and model versions."""
     versions = set(pool.model_versions.pools.values()) if pool.model_versions else set()
-    return {cls.pool for cls in pool.request_classes} | versions
+    tiers = set((pool.intent_tiers or {}).values())
+    return {cls.pool for cls in pool.request_classes} | versions | tiers
 
 
 def same_model_targets(config: Config) -> set[str]:
@@ -292,3 +308,88 @@ def local_reply_config(config: Config) -> dict[str, Any]:
         "request_too_large")})
     return {"mappers": mappers}
 
+
+
+# -- intent tiers (the `trimtab classify` ext_proc hop) ---------------------------------------
+
+
+def classifier_used(config: Config) -> bool:
+    return config.classifier is not None and any(pool.intent_tiers for pool in config.pools)
+
+
+def ext_proc_filter(config: Config) -> dict[str, Any] | None:
+    """The classifier hop, or None. It runs after json_to_metadata has read the body and
+    re-matched the route, so the per-route switch (`scope_classifier`) sees the pool's route.
+    Headers are sent too: with them skipped Envoy does not hold the request for the body's
+    answer. Fails open: a timeout or an error continues to the pool's default route."""
+    if not classifier_used(config):
+        return None
+    classifier = config.classifier
+    assert classifier is not None
+    typed = {
+        "@type": f"{_FILTERS}.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": CLASSIFIER_CLUSTER}},
+        "failure_mode_allow": True,
+        "message_timeout": f"{classifier.message_timeout_ms / 1000:.3f}s",
+        "stat_prefix": "classifier",
+        "processing_mode": {"request_header_mode": "SEND", "response_header_mode": "SKIP",
+                            "request_body_mode": "BUFFERED", "response_body_mode": "NONE",
+                            "request_trailer_mode": "SKIP", "response_trailer_mode": "SKIP"},
+        "metadata_options": {"receiving_namespaces": {"untyped": [CLASSIFIER_NAMESPACE]}},
+        # the service may set its tier header and nothing else
+        "mutation_rules": {"allow_expression": {"regex": f"^{TIER_HEADER}$"},
+                           "disallow_system": True},
+    }
+    return {"name": EXT_PROC, "typed_config": typed}
+
+
+_EXT_PROC_ROUTE = f"{_FILTERS}.http.ext_proc.v3.ExtProcPerRoute"
+
+
+def scope_classifier(config: Config, pool: PoolConfig, routes: list[dict[str, Any]]
+                     ) -> list[dict[str, Any]]:
+    """Routes of a pool with intent tiers take the hop; `disable_classifier_elsewhere` turns
+    it off on every other route."""
+    if classifier_used(config) and pool.intent_tiers:
+        for route in routes:
+            route["typed_per_filter_config"] = {EXT_PROC: {
+                "@type": _EXT_PROC_ROUTE, "overrides": {"failure_mode_allow": True}}}
+    return routes
+
+
+def disable_classifier_elsewhere(config: Config, routes: list[dict[str, Any]]
+                                 ) -> list[dict[str, Any]]:
+    if classifier_used(config):
+        for route in routes:
+            route.setdefault("typed_per_filter_config",
+                             {EXT_PROC: {"@type": _EXT_PROC_ROUTE, "disabled": True}})
+    return routes
+
+
+def extra_clusters(config: Config) -> list[cluster_pb2.Cluster]:
+    """The classifier's cluster (HTTP/2, static address) when some pool uses it."""
+    if not classifier_used(config):
+        return []
+    assert config.classifier is not None
+    where = parse_host_port(config.classifier.address)
+    endpoint = {"endpoint": {"address": {"socket_address": {"address": where.host,
+                                                            "port_value": where.port}}}}
+    options = http_protocol_options_pb2.HttpProtocolOptions()
+    options.explicit_http_config.http2_protocol_options.SetInParent()
+    document = {
+        "name": CLASSIFIER_CLUSTER, "type": "STATIC", "connect_timeout": "0.250s",
+        "load_assignment": {"cluster_name": CLASSIFIER_CLUSTER,
+                            "endpoints": [{"lb_endpoints": [endpoint]}]},
+        # a full classifier fails requests open, never queues them
+        "circuit_breakers": {"thresholds": [{"max_connections": 100_000,
+                                             "max_pending_requests": 100_000,
+                                             "max_requests": 100_000}]},
+    }
+    cluster = json_format.ParseDict(document, cluster_pb2.Cluster())
+    cluster.typed_extension_protocol_options[
+        "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"].Pack(options, deterministic=True)
+    return [cluster]
+
+
+def extra_cluster_names(config: Config) -> set[str]:
+    return {CLASSIFIER_CLUSTER} if classifier_used(config) else set()

@@ -152,7 +152,7 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
                        "route": _action(target, canary.get(target.name, 0.0))})
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
                    "route": _action(pool, percent)})
-    return routes
+    return request_features.scope_classifier(config, pool, routes)
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None
@@ -191,7 +191,8 @@ def _class_only(config: Config) -> set[str]:
 def build_route_config(config: Config, canary: Mapping[str, float] | None = None
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
-        {"name": "models", "domains": ["*"], "routes": model_routes(config, canary)}]}
+        {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
+            config, model_routes(config, canary))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 
@@ -201,6 +202,7 @@ def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
                            "type": "STRING"}}
     extra = request_features.json_rules(config) if config is not None else []
     lua = request_features.lua_filter(config) if config is not None else None
+    hop = request_features.ext_proc_filter(config) if config is not None else None
     json_to_metadata = {
         "@type": f"{_FILTERS}.http.json_to_metadata.v3.JsonToMetadata",
         "request_rules": {"rules": [rule, *extra],
@@ -210,6 +212,7 @@ def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
     return [
         {"name": "envoy.filters.http.json_to_metadata", "typed_config": json_to_metadata},
         *([lua] if lua is not None else []),
+        *([hop] if hop is not None else []),
         {"name": "envoy.filters.http.router",
          "typed_config": {"@type": f"{_FILTERS}.http.router.v3.Router"}},
     ]

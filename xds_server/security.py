@@ -449,6 +449,7 @@ def filter_snapshot(snapshot: Snapshot, pools: frozenset[str], config: Config,
     kept = pool_closure(config, pools)
     sub_config = config.model_copy(update={"pools": [p for p in config.pools if p.name in kept]})
     clusters = set().union(*(pool_clusters(p) for p in sub_config.pools))
+    clusters |= request_features.extra_cluster_names(sub_config)
     resources: dict[str, Mapping[str, Resource]] = {}
     for type_url, items in snapshot.resources.items():
         if type_url in (type_urls.CLUSTER, type_urls.ENDPOINT):
