@@ -151,9 +151,10 @@ def decide(classifier: Classifier, raw: bytes, limits: ClassifierConfig) -> str 
 
 def tier_response(tier: str | None) -> ext_proc.ProcessingResponse:
     response = ext_proc.ProcessingResponse()
-    common = response.request_body.response
+    response.request_body.SetInParent()  # an answer to the body even when it says nothing
     if tier is None:
         return response
+    common = response.request_body.response
     common.clear_route_cache = True
     header = common.header_mutation.set_headers.add()
     header.header.key = TIER_HEADER

@@ -151,9 +151,13 @@ def test_a_classified_request_lands_on_its_tier(stack: Stack) -> None:
 
 
 def test_an_unclassified_or_forged_request_never_reaches_the_tier(stack: Stack) -> None:
+    errors = {name: stack.hop_stat(name) for name in ("failure_mode_allowed", "streams_failed",
+                                                      "spurious_msgs_received")}
     assert _lands(stack, "m-intent", "hello there") == "intent"  # the system prompt says python
     # a client cannot pick the tier: routes match the classifier's metadata, not the header
     assert _lands(stack, "m-intent", "hello", {"x-trimtab-tier": "code"}) == "intent"
+    # "no tier" is an answer Envoy accepts, not a failure it forgives
+    assert {name: stack.hop_stat(name) for name in errors} == errors
 
 
 def test_only_pools_with_tiers_take_the_hop(stack: Stack) -> None:
