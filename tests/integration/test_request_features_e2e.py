@@ -376,3 +376,10 @@ def _version_hosts_healthy(stack: Stack) -> int:
             return sum(1 for host in status.get("host_statuses", [])
                        if not host.get("health_status", {}).get("failed_active_health_check"))
     return -1
+
+
+def test_a_body_over_the_buffer_limit_gets_a_json_413(stack: Stack) -> None:
+    huge = _chat(content="x" * (9 * 1024 * 1024))
+    reply = _send(stack, huge)
+    _assert_openai_error(reply, 413, "request_too_large")
+    assert _lands(stack, _chat()) == "chat"  # and the next request is served
