@@ -182,3 +182,15 @@ def test_bad_listener_keys_exit_2_naming_them(tmp_path: Path, capsys: pytest.Cap
     path.write_text(yaml.safe_dump({"listener": listener, "pools": _pools()}))
     assert main(["validate", "--config", str(path)]) == EXIT_BAD_INPUT
     assert named in capsys.readouterr().err
+
+
+def test_the_tiers_example_validates_and_builds() -> None:
+    from xds_server.config import load_config
+
+    config = load_config(Path(__file__).resolve().parent.parent / "examples" / "trimtab-tiers.yaml")
+    names = _route_names(config)
+    assert {"body:chat:class0", "body:chat:tier:code", "body:chat:version:3.2"} <= set(names)
+    assert [f["name"] for f in http_filters(config)] == [
+        "envoy.filters.http.json_to_metadata", "envoy.filters.http.lua",
+        "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    build_listener(config)
