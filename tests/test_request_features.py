@@ -194,3 +194,23 @@ def test_the_tiers_example_validates_and_builds() -> None:
         "envoy.filters.http.json_to_metadata", "envoy.filters.http.lua",
         "envoy.filters.http.ext_proc", "envoy.filters.http.router"]
     build_listener(config)
+
+
+def test_the_lua_filter_is_off_on_routes_of_pools_without_a_modality_class() -> None:
+    from envoy.extensions.filters.http.lua.v3 import lua_pb2
+
+    config = _config(request_classes=[{"pool": "vl", "modality": "image"}])
+    routes = {r.name: r for r in build_route_config(config).virtual_hosts[0].routes}
+
+    def runs(name: str) -> bool:
+        per_route = routes[name].typed_per_filter_config
+        if "envoy.filters.http.lua" not in per_route:
+            return True
+        off = lua_pb2.LuaPerRoute()
+        assert per_route["envoy.filters.http.lua"].Unpack(off)
+        return not off.disabled
+
+    assert runs("body:chat") and runs("header:chat") and runs("body:chat:class0")
+    assert not runs("body:other") and not runs("no-model") and not runs("body:unknown")
+    assert not any(r.typed_per_filter_config for r in build_route_config(_config())
+                   .virtual_hosts[0].routes)

@@ -36,6 +36,7 @@ CLASSIFIER_NAMESPACE = "trimtab.classifier"  # only the ext_proc filter writes i
 CLASSIFIER_CLUSTER = "trimtab-classifier"
 TIER_HEADER = "x-trimtab-tier"  # set for the upstream to see; routes match the metadata
 EXT_PROC = "envoy.filters.http.ext_proc"
+LUA = "envoy.filters.http.lua"
 MODEL_HEADER = "x-model"
 _FILTERS = "type.googleapis.com/envoy.extensions.filters"
 _FAR = 1e300  # an open end of a DoubleRange
@@ -212,6 +213,10 @@ function envoy_on_request(handle)
   if size == 0 then return end
   if size > LIMIT then size = LIMIT end
   local text = body:getBytes(0, size)
+  -- the common text-only case: two plain searches, no pattern machinery
+  if not string.find(text, "image", 1, true) and not string.find(text, "audio", 1, true) then
+    return
+  end
   local kind = nil
   if any(text, IMAGE) then kind = "image" elseif any(text, AUDIO) then kind = "audio" end
   if kind ~= nil then
@@ -227,7 +232,7 @@ def lua_filter(config: Config) -> dict[str, Any] | None:
     if not any(cls.modality is not None for cls in _classes(config)):
         return None
     source = _LUA % {"limit": config.listener.modality_inspect_bytes, "namespace": NAMESPACE}
-    return {"name": "envoy.filters.http.lua",
+    return {"name": LUA,
             "typed_config": {"@type": f"{_FILTERS}.http.lua.v3.Lua",
                              "default_source_code": {"inline_string": source}}}
 
@@ -346,23 +351,38 @@ def ext_proc_filter(config: Config) -> dict[str, Any] | None:
 _EXT_PROC_ROUTE = f"{_FILTERS}.http.ext_proc.v3.ExtProcPerRoute"
 
 
+_LUA_ROUTE = f"{_FILTERS}.http.lua.v3.LuaPerRoute"
+_INSPECTS = "_trimtab_inspects"  # a marker on the route dicts of modality pools (removed below)
+
+
 def scope_classifier(config: Config, pool: PoolConfig, routes: list[dict[str, Any]]
                      ) -> list[dict[str, Any]]:
-    """Routes of a pool with intent tiers take the hop; `disable_classifier_elsewhere` turns
-    it off on every other route."""
+    """Routes of a pool with intent tiers take the hop, routes of a pool with a modality class
+    run the Lua filter; `disable_classifier_elsewhere` turns both off on every other route
+    (both filters look their per-route config up after json_to_metadata re-matched the
+    route, so it is the pool's route they see)."""
     if classifier_used(config) and pool.intent_tiers:
         for route in routes:
             route["typed_per_filter_config"] = {EXT_PROC: {
                 "@type": _EXT_PROC_ROUTE, "overrides": {"failure_mode_allow": True}}}
+    if any(cls.modality is not None for cls in pool.request_classes):
+        for route in routes:
+            route[_INSPECTS] = True
     return routes
 
 
 def disable_classifier_elsewhere(config: Config, routes: list[dict[str, Any]]
                                  ) -> list[dict[str, Any]]:
-    if classifier_used(config):
-        for route in routes:
-            route.setdefault("typed_per_filter_config",
-                             {EXT_PROC: {"@type": _EXT_PROC_ROUTE, "disabled": True}})
+    lua = lua_filter(config) is not None
+    for route in routes:
+        per_filter = route.setdefault("typed_per_filter_config", {})
+        if classifier_used(config) and EXT_PROC not in per_filter:
+            per_filter[EXT_PROC] = {"@type": _EXT_PROC_ROUTE, "disabled": True}
+        if lua and not route.pop(_INSPECTS, False):
+            per_filter[LUA] = {"@type": _LUA_ROUTE, "disabled": True}
+        route.pop(_INSPECTS, None)
+        if not per_filter:
+            del route["typed_per_filter_config"]
     return routes
 
 

@@ -383,3 +383,15 @@ def test_a_body_over_the_buffer_limit_gets_a_json_413(stack: Stack) -> None:
     reply = _send(stack, huge)
     _assert_openai_error(reply, 413, "request_too_large")
     assert _lands(stack, _chat()) == "chat"  # and the next request is served
+
+
+def test_only_pools_with_a_modality_class_run_the_lua_filter(stack: Stack) -> None:
+    def executions() -> int:
+        return stack.envoy.stat("http.trimtab.lua.executions") or 0
+
+    before = executions()
+    for _ in range(3):
+        assert _lands(stack, _chat("m-ver", content=[IMAGE_PART])) == "ver"
+    assert executions() == before
+    assert _lands(stack, _chat(content=[IMAGE_PART])) == "chat-vl"
+    assert executions() == before + 1
