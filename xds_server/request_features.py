@@ -21,6 +21,7 @@ docs/envoy-routing-notes.md ("Request features").
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
@@ -268,8 +269,12 @@ def _retry_after(config: Config) -> list[dict[str, Any]]:
 
 
 def _error_body(message: str, kind: str, code: str) -> dict[str, Any]:
-    return {"json_format": {"error": {"message": message, "type": kind, "code": code}},
-            "content_type": "application/json"}
+    """A fixed JSON body. Not `json_format`: that is a Struct (a map), and a map inside the
+    HCM's Any would serialise in a per-process order, so replicas (and restarts) would disagree
+    on the listener's version."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code}},
+                      sort_keys=True)
+    return {"text_format_source": {"inline_string": body}, "content_type": "application/json"}
 
 
 def _for_pool(pool: PoolConfig) -> dict[str, Any]:
