@@ -253,6 +253,7 @@ _DELEGATED = {
     "sim": ("xds_server.sim.cli", "run the LLM fleet simulator (vLLM-compatible servers)"),
     "load": ("xds_server.loadgen.cli", "drive an open-loop LLM workload at a URL"),
     "bench": ("xds_server.bench.cli", "compare balancing policies through a real Envoy"),
+    "classify": ("xds_server.classify", "serve the intent classifier (Envoy ext_proc, gRPC)"),
 }
 
 

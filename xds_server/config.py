@@ -139,8 +139,130 @@ class AdminConfig(_Addressed):
     auth: AdminAuthConfig = AdminAuthConfig()
 
 
+class NumberRangeConfig(_Model):
+    """A range of a JSON number in the request body: ``min`` inclusive, ``max`` exclusive."""
+
+    min: float | None = None
+    max: float | None = None
+
+    @model_validator(mode="after")
+    def _bounded(self) -> NumberRangeConfig:
+        values = [v for v in (self.min, self.max) if v is not None]
+        if not values:
+            raise ValueError("give min, max or both")
+        if any(v != v or abs(v) > 1e15 for v in values):
+            raise ValueError("min and max must be finite numbers within +-1e15")
+        if self.min is not None and self.max is not None and self.max <= self.min:
+            raise ValueError(f"max ({self.max}) must be above min ({self.min})")
+        return self
+
+
+class RequestClassConfig(_Model):
+    """Requests for this pool's model that match every condition given go to `pool` instead
+    (xds_server/request_features.py). Checked in order, before the prompt-size classes."""
+
+    pool: str = Field(min_length=1)
+    modality: Literal["image", "audio"] | None = None  # a message content part of that kind
+    max_tokens: NumberRangeConfig | None = None   # max_completion_tokens, else max_tokens
+    stream: bool | None = None                    # the body's "stream" (must be present)
+    n: NumberRangeConfig | None = None
+    temperature: NumberRangeConfig | None = None
+
+    @model_validator(mode="after")
+    def _some_condition(self) -> RequestClassConfig:
+        if all(getattr(self, key) is None for key in REQUEST_FEATURES):
+            raise ValueError(f"needs at least one of {', '.join(REQUEST_FEATURES)}")
+        return self
+
+
+REQUEST_FEATURES: tuple[str, ...] = ("modality", "max_tokens", "stream", "n", "temperature")
+
+
+class StaticResponseConfig(_Model):
+    """What a client gets instead of a 503 when this pool (and its fallback) has no healthy
+    host: the seed's StaticResponse fallback."""
+
+    status: int = Field(200, ge=200, le=599)
+    body: str = Field(min_length=1, max_length=64 * 1024)
+    content_type: str = Field("application/json", min_length=1, max_length=256)
+
+
+class ModelVersionsConfig(_Model):
+    """A request asking for a model version (header, or a body field) goes to the pool serving
+    it while that pool has healthy hosts, else to this pool (an aggregate cluster)."""
+
+    header: str = Field("x-model-version", min_length=1, max_length=128)
+    body_field: str | None = Field("model_version", min_length=1, max_length=128)  # None: off
+    pools: dict[str, str] = Field(min_length=1)  # version label -> the pool serving it
+
+    @field_validator("pools")
+    @classmethod
+    def _labels(cls, value: dict[str, str]) -> dict[str, str]:
+        for label in value:
+            if not label or len(label) > 128 or any(ch.isspace() for ch in label):
+                raise ValueError(f"expected version labels of 1..128 characters without "
+                                 f"spaces, got {label!r}")
+        return value
+
+
+class LocalRepliesConfig(_Model):
+    """Envoy's own answers (no healthy host, overflow, timeout) as OpenAI-shaped JSON."""
+
+    retry_after_seconds: int = Field(5, ge=0, le=86_400)  # on 503s; 0: no Retry-After header
+
+
+class ClassifierRuleConfig(_Model):
+    """The last user message is in `tier` when it contains one of `keywords` (case-insensitive)
+    or matches one of `patterns` (Python regular expressions), and its length in characters
+    is in [min_chars, max_chars). No keyword and no pattern: the length alone decides."""
+
+    tier: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    keywords: list[str] = Field(default_factory=list, max_length=1000)
+    patterns: list[str] = Field(default_factory=list, max_length=100)
+    min_chars: int = Field(0, ge=0)
+    max_chars: int | None = Field(None, gt=0)
+
+    @field_validator("patterns")
+    @classmethod
+    def _compiles(cls, value: list[str]) -> list[str]:
+        import re
+
+        for pattern in value:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"pattern {pattern!r} is not a regular expression: "
+                                 f"{exc}") from None
+        return value
+
+
+class ClassifierConfig(_Model):
+    """`trimtab classify`: an Envoy ext_proc service that puts a request in an intent tier.
+    Envoy fails open: a timeout or an outage routes to the pool's default."""
+
+    address: str = "127.0.0.1:18081"               # where `trimtab classify` listens (IP:port)
+    message_timeout_ms: int = Field(50, ge=1, le=10_000)
+    max_body_bytes: int = Field(1024 * 1024, ge=1024, le=8 * 1024 * 1024)  # larger: default
+    max_text_chars: int = Field(16_384, ge=16, le=1_000_000)  # of the last user message
+    metrics_address: str | None = None             # Prometheus /metrics of the classifier
+    rules: list[ClassifierRuleConfig] = Field(min_length=1)
+
+    @field_validator("address", "metrics_address")
+    @classmethod
+    def _check_address(cls, value: str | None) -> str | None:
+        if value is not None:
+            host = parse_host_port(value).host
+            if not is_ip(host):
+                raise ValueError(f"expected an IP address (Envoy connects to a socket address), "
+                                 f"got {host!r}")
+        return value
+
+
 class ListenerConfig(_Addressed):
     address: str = "0.0.0.0:10000"
+    local_replies: LocalRepliesConfig = LocalRepliesConfig()
+    # Modality: look at most this many bytes of a body (from its start) for content parts.
+    modality_inspect_bytes: int = Field(1024 * 1024, ge=1024, le=8 * 1024 * 1024)
 
 
 SourceName = Literal["scrape", "prometheus", "static", "file"]
@@ -382,6 +504,10 @@ class PoolConfig(_Model):
     discovery: DiscoveryConfig | None = None    # endpoints from Kubernetes EndpointSlices
     telemetry_source: SourceName | None = None  # default: telemetry.source
     itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
+    request_classes: list[RequestClassConfig] = Field(default_factory=list)
+    static_response: StaticResponseConfig | None = None
+    model_versions: ModelVersionsConfig | None = None
+    intent_tiers: dict[str, str] | None = None  # classifier tier -> pool
 
     @field_validator("name")
     @classmethod
@@ -527,6 +653,7 @@ class Config(_Model):
     coordination: CoordinationConfig = CoordinationConfig()
     keda: KedaConfig = KedaConfig()
     nodes: NodesConfig | None = None  # absent: every node sees every pool
+    classifier: ClassifierConfig | None = None  # intent tiers (`trimtab classify`)
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:
@@ -638,6 +765,10 @@ def _name_checks(config: Config) -> list[tuple[str, str]]:
         problems.append((f"pools[{index}].name",
                          f"duplicate pool name {config.pools[index].name!r} (also pools[{first}])"))
     class_targets = {c.pool for p in config.pools for c in p.size_classes()}
+    class_targets |= {c.pool for p in config.pools for c in p.request_classes}
+    class_targets |= {t for p in config.pools if p.intent_tiers for t in p.intent_tiers.values()}
+    class_targets |= {t for p in config.pools if p.model_versions
+                      for t in p.model_versions.pools.values()}
     models = [p.model if p.name not in class_targets else f"\0{p.name}" for p in config.pools]
     for index, first in _duplicates(models):
         problems.append((f"pools[{index}].model",
@@ -695,7 +826,39 @@ def _cross_checks(config: Config) -> list[tuple[str, str]]:
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
+    problems += _request_class_checks(config)
     return problems + _security_checks(config)
+
+
+def _request_class_checks(config: Config) -> list[tuple[str, str]]:
+    names = {pool.name for pool in config.pools}
+    return [(f"pools[{p}].request_classes[{i}].pool", f"expected another pool's name, got "
+             f"{cls.pool!r}")
+            for p, pool in enumerate(config.pools) for i, cls in enumerate(pool.request_classes)
+            if cls.pool not in names or cls.pool == pool.name] + _version_checks(config, names)
+
+
+def _version_checks(config: Config, names: set[str]) -> list[tuple[str, str]]:
+    return [(f"pools[{p}].model_versions.pools.{label}", f"expected another pool's name, "
+             f"got {target!r}")
+            for p, pool in enumerate(config.pools) if pool.model_versions is not None
+            for label, target in pool.model_versions.pools.items()
+            if target not in names or target == pool.name] + _tier_checks(config, names)
+
+
+def _tier_checks(config: Config, names: set[str]) -> list[tuple[str, str]]:
+    problems = []
+    tiers = {rule.tier for rule in config.classifier.rules} if config.classifier else set()
+    for p, pool in enumerate(config.pools):
+        for tier, target in (pool.intent_tiers or {}).items():
+            path = f"pools[{p}].intent_tiers.{tier}"
+            if config.classifier is None:
+                problems.append((path, "intent tiers need a top-level `classifier`"))
+            elif tier not in tiers:
+                problems.append((path, f"no classifier rule puts requests in tier {tier!r}"))
+            if target not in names or target == pool.name:
+                problems.append((path, f"expected another pool's name, got {target!r}"))
+    return problems
 
 
 def _security_checks(config: Config) -> list[tuple[str, str]]:

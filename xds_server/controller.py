@@ -25,6 +25,7 @@ from .adapters import screen_signals
 from .autoscale import Autoscaler
 from .cache import SnapshotCache
 from .config import Config, EndpointConfig, PoolConfig
+from .request_features import extra_clusters as feature_clusters
 from .resources import DEGRADED, HEALTHY, EndpointSetting, build_clusters, build_load_assignment
 from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
@@ -106,6 +107,7 @@ class Controller:
         self.store.hold_seconds = config.telemetry.stale_after_seconds
         self.sources = self._keep_sources(old, config)
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
+        self._clusters += feature_clusters(config)
         self._listener = build_listener(config)
         self._routes = build_route_config(config, self.canary_percent)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}

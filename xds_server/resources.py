@@ -16,6 +16,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
+from . import request_features
 from .config import EndpointConfig, HostPort, PoolConfig, parse_host_port
 
 HEALTHY = "HEALTHY"
@@ -142,6 +143,9 @@ def build_clusters(pool: PoolConfig) -> list[cluster_pb2.Cluster]:
     clusters = [build_cluster(pool, name) for name, _, _ in pool.clusters()]
     if pool.fallback is not None:
         clusters.append(build_aggregate_cluster(pool.fallback_cluster, [pool.name, pool.fallback]))
+    for target in sorted(set(pool.model_versions.pools.values()) if pool.model_versions else ()):
+        clusters.append(build_aggregate_cluster(request_features.version_cluster(pool, target),
+                                                request_features.version_members(pool, target)))
     return clusters
 
 

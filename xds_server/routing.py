@@ -30,6 +30,7 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import (  # noqa: F4
 )
 from google.protobuf import json_format
 
+from . import request_features
 from .config import Config, PoolConfig, parse_host_port
 
 LISTENER_NAME = "trimtab-listener"
@@ -130,12 +131,18 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
+    routes += request_features.version_routes(config, pool, source,
+                                              _model_match(source, pool.model, []),
+                                              _action(pool, percent, "stable"))
     if pool.versions is not None:
         for version in ("canary", "stable"):
             forced = {"name": CANARY_HEADER, "string_match": {"exact": version}}
             routes.append({"name": f"{source}:{pool.name}:{version}",
                            "match": _model_match(source, pool.model, [forced]),
                            "route": _action(pool, percent, version)})
+    routes += request_features.class_routes(
+        pool, source, _model_match(source, pool.model, []),
+        lambda name: _action(config.pool(name), canary.get(name, 0.0)))
     for index, size in enumerate(pool.size_classes()):
         target = config.pool(size.pool)
         length = {"name": "content-length",
@@ -145,7 +152,7 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
                        "route": _action(target, canary.get(target.name, 0.0))})
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
                    "route": _action(pool, percent)})
-    return routes
+    return request_features.scope_classifier(config, pool, routes)
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None
@@ -178,28 +185,34 @@ def _class_only(config: Config) -> set[str]:
     """Pools that only serve another pool's size class and share its model name."""
     models = {pool.name: pool.model for pool in config.pools}
     return {size.pool for pool in config.pools for size in pool.size_classes()
-            if models.get(size.pool) == pool.model}
+            if models.get(size.pool) == pool.model} | request_features.same_model_targets(config)
 
 
 def build_route_config(config: Config, canary: Mapping[str, float] | None = None
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
-        {"name": "models", "domains": ["*"], "routes": model_routes(config, canary)}]}
+        {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
+            config, model_routes(config, canary))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 
-def http_filters() -> list[dict[str, Any]]:
+def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
     rule = {"selectors": [{"key": "model"}],
             "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": "model",
                            "type": "STRING"}}
+    extra = request_features.json_rules(config) if config is not None else []
+    lua = request_features.lua_filter(config) if config is not None else None
+    hop = request_features.ext_proc_filter(config) if config is not None else None
     json_to_metadata = {
         "@type": f"{_FILTERS}.http.json_to_metadata.v3.JsonToMetadata",
-        "request_rules": {"rules": [rule],
+        "request_rules": {"rules": [rule, *extra],
                           "allow_content_types_regex": {"regex": _JSON_CONTENT_TYPE},
                           "allow_empty_content_type": True},
     }
     return [
         {"name": "envoy.filters.http.json_to_metadata", "typed_config": json_to_metadata},
+        *([lua] if lua is not None else []),
+        *([hop] if hop is not None else []),
         {"name": "envoy.filters.http.router",
          "typed_config": {"@type": f"{_FILTERS}.http.router.v3.Router"}},
     ]
@@ -213,7 +226,8 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         "codec_type": "AUTO",
         "rds": {"route_config_name": ROUTE_CONFIG_NAME,
                 "config_source": {"ads": {}, "resource_api_version": "V3"}},
-        "http_filters": http_filters(),
+        "http_filters": http_filters(config),
+        "local_reply_config": request_features.local_reply_config(config),
         "request_timeout": "0s",  # LLM requests stream for minutes
         "stream_idle_timeout": ROUTE_IDLE_TIMEOUT,
     }

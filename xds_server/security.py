@@ -31,7 +31,7 @@ import grpc
 from aiohttp import web
 from envoy.config.core.v3 import base_pb2
 
-from . import type_urls
+from . import request_features, type_urls
 from .config import Config, PoolConfig
 from .routing import build_route_config
 from .snapshot import (
@@ -406,6 +406,7 @@ def node_pool_problems(clusters: Mapping[str, Sequence[str]], config: Config
 
 def _dependencies(pool: PoolConfig) -> set[str]:
     deps = {size.pool for size in pool.size_classes()}
+    deps |= request_features.targets(pool)
     if pool.fallback is not None:
         deps.add(pool.fallback)
     return deps - {pool.name}
@@ -428,6 +429,7 @@ def pool_clusters(pool: PoolConfig) -> set[str]:
     names = {name for name, _, _ in pool.clusters()}
     if pool.fallback is not None:
         names.add(pool.fallback_cluster)
+    names.update(request_features.version_clusters(pool))
     return names
 
 
@@ -447,6 +449,7 @@ def filter_snapshot(snapshot: Snapshot, pools: frozenset[str], config: Config,
     kept = pool_closure(config, pools)
     sub_config = config.model_copy(update={"pools": [p for p in config.pools if p.name in kept]})
     clusters = set().union(*(pool_clusters(p) for p in sub_config.pools))
+    clusters |= request_features.extra_cluster_names(sub_config)
     resources: dict[str, Mapping[str, Resource]] = {}
     for type_url, items in snapshot.resources.items():
         if type_url in (type_urls.CLUSTER, type_urls.ENDPOINT):

@@ -17,7 +17,14 @@ from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
-from .workload import PlannedRequest, Workload, build_schedule, endpoint_path, request_body
+from .workload import (
+    PlannedRequest,
+    Workload,
+    build_schedule,
+    endpoint_path,
+    request_body,
+    request_streams,
+)
 
 SERVER_HEADER = "x-sim-server"
 
@@ -277,7 +284,8 @@ class _Dispatcher:
     def send(self, p: PlannedRequest, url: str, clock: Callable[[], float]) -> None:
         rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at)
         body = request_body(p, self.w)
-        task = asyncio.create_task(send_one(self.session, url, body, self.w.stream, rec, clock))
+        task = asyncio.create_task(send_one(self.session, url, body,
+                                            request_streams(p, self.w), rec, clock))
         self.pending.add(task)
         task.add_done_callback(self._finished)
         self.progress.sent += 1

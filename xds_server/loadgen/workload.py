@@ -68,6 +68,11 @@ class RequestClass(_Strict):
     weight: float = Field(gt=0)
     prompt_tokens: Dist
     max_tokens: Dist
+    # Optional request features (defaults leave the body exactly as before):
+    images: int = Field(0, ge=0, le=16, description="image_url parts per chat request")
+    text_prefix: str | None = Field(None, max_length=4096,
+                                    description="put first in the prompt (e.g. an intent)")
+    stream: bool | None = Field(None, description="override the workload's stream")
 
 
 class ModelChoice(_Strict):
@@ -219,16 +224,39 @@ def prompt_text(tokens: int, w: Workload) -> str:
     return (_FILLER * reps)[:size]
 
 
+# A 1x1 PNG: the part's shape is what routing sees; the size in tokens is in prompt_tokens.
+IMAGE_URL = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR4"
+             "nGNgYGBgAAAABQABpfZFQAAAAABJRU5ErkJggg==")
+
+
+def _class(w: Workload, name: str) -> RequestClass | None:
+    return next((c for c in w.classes if c.name == name), None)
+
+
+def request_streams(p: PlannedRequest, w: Workload) -> bool:
+    """Whether the request asks for a stream (its class may override the workload)."""
+    cls = _class(w, p.cls)
+    return w.stream if cls is None or cls.stream is None else cls.stream
+
+
 def request_body(p: PlannedRequest, w: Workload) -> bytes:
     """The JSON body for one planned request (OpenAI shape plus the ``prompt_tokens`` hint)."""
+    cls = _class(w, p.cls)
     text = prompt_text(p.prompt_tokens, w)
-    body: dict[str, Any] = {"model": p.model, "max_tokens": p.max_tokens, "stream": w.stream,
+    if cls is not None and cls.text_prefix:
+        text = f"{cls.text_prefix} {text}"
+    stream = request_streams(p, w)
+    body: dict[str, Any] = {"model": p.model, "max_tokens": p.max_tokens, "stream": stream,
                             "ignore_eos": True, "prompt_tokens": p.prompt_tokens}
     if w.endpoint == "chat":
-        body["messages"] = [{"role": "user", "content": text}]
+        content: Any = text
+        if cls is not None and cls.images:
+            image = {"type": "image_url", "image_url": {"url": IMAGE_URL}}
+            content = [{"type": "text", "text": text}, *[image] * cls.images]
+        body["messages"] = [{"role": "user", "content": content}]
     else:
         body["prompt"] = text
-    if w.stream:
+    if stream:
         body["stream_options"] = {"include_usage": True}
     return json.dumps(body).encode()
 

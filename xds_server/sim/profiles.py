@@ -65,7 +65,23 @@ LLAMA_3_1_8B = ModelProfile(
     max_context=131072,  # [LLAMA]
 )
 
-MODELS: dict[str, ModelProfile] = {LLAMA_3_1_8B.name: LLAMA_3_1_8B}
+# [QWEN2-VL] Qwen/Qwen2-VL-7B-Instruct config.json: 28 layers, hidden 3584, 28 attention heads
+# (head dim 128), 4 KV heads, 32k positions; the model card gives 8.29 B parameters (the
+# 7.6 B language model plus a 675 M vision encoder). KV per token = 2 x 28 x 4 x 128 x 2
+# bytes = 57344 B = 56 KiB; BF16 weights = 8.29e9 x 2 B = 15.44 GiB. The simulator counts an
+# image as the prompt tokens it becomes (a 448x448 image: 256 tokens, one per 28x28 patch);
+# the vision encoder's own compute is not modelled.
+QWEN2_VL_7B = ModelProfile(
+    name="qwen2-vl-7b",
+    params=8.29e9,  # [QWEN2-VL]
+    weight_bytes=8.29e9 * 2,  # [QWEN2-VL] BF16
+    n_layers=28,  # [QWEN2-VL]
+    hidden=3584,  # [QWEN2-VL]
+    kv_bytes_per_token=2 * 28 * 4 * 128 * 2,  # [QWEN2-VL] = 57344 B = 56 KiB
+    max_context=32768,  # [QWEN2-VL]
+)
+
+MODELS: dict[str, ModelProfile] = {m.name: m for m in (LLAMA_3_1_8B, QWEN2_VL_7B)}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,137 @@
+"""The intent classifier's pieces: rules, message extraction, bounds, the ext_proc answer, and
+its config keys (exit 2 naming the key). End to end: tests/integration/test_classifier_e2e.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2 as ext_proc_config
+
+from xds_server.classify import RulesClassifier, decide, last_user_text, main, tier_response
+from xds_server.cli import EXIT_BAD_INPUT
+from xds_server.cli import main as trimtab
+from xds_server.config import ClassifierConfig, ClassifierRuleConfig, parse_config
+from xds_server.routing import build_route_config, http_filters
+
+RULES = [{"tier": "code", "keywords": ["Python", "stack trace"], "patterns": [r"\bdef \w+\("]},
+         {"tier": "long", "min_chars": 100},
+         {"tier": "short", "max_chars": 5}]
+
+
+def _limits(**extra: Any) -> ClassifierConfig:
+    return ClassifierConfig.model_validate({"rules": RULES, **extra})
+
+
+def test_rules_match_in_order_keywords_ignore_case() -> None:
+    rules = RulesClassifier([ClassifierRuleConfig.model_validate(r) for r in RULES])
+    assert rules.classify("some PYTHON please") == "code"
+    assert rules.classify("what is def main(argv) for") == "code"
+    assert rules.classify("x" * 100) == "long"
+    assert rules.classify("python " * 30) == "code"  # first rule wins over length
+    assert rules.classify("hey") == "short"
+    assert rules.classify("hello there") is None
+
+
+def test_the_last_user_message_is_read_from_chat_and_responses_bodies() -> None:
+    chat = {"messages": [{"role": "user", "content": "first"},
+                         {"role": "assistant", "content": "python"},
+                         {"role": "user", "content": [{"type": "text", "text": "second"},
+                                                      {"type": "image_url", "image_url": {}}]}]}
+    assert last_user_text(chat) == "second"
+    assert last_user_text({"input": "plain"}) == "plain"
+    assert last_user_text({"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "resp"}]}]}) == "resp"
+    for odd in (None, [], {"messages": "x" * 0}, {"messages": [1, "a"]}, {"messages": {}}):
+        assert last_user_text(odd) in (None, "")
+
+
+def test_decide_is_bounded_and_defaults_on_anything_unreadable() -> None:
+    rules = RulesClassifier([ClassifierRuleConfig.model_validate(r) for r in RULES])
+    limits = _limits(max_body_bytes=1024, max_text_chars=20)
+    body = json.dumps({"messages": [{"role": "user", "content": "python"}]}).encode()
+    assert decide(rules, body, limits) == "code"
+    late = json.dumps({"messages": [{"role": "user", "content": "a" * 30 + " python"}]})
+    assert decide(rules, late.encode(), limits) is None  # past max_text_chars: not seen
+    big = json.dumps({"messages": [{"role": "user", "content": "python" + "a" * 2000}]})
+    assert decide(rules, big.encode(), limits) is None  # over max_body_bytes: not parsed
+    assert decide(rules, b"{not json", limits) is None
+    assert decide(rules, b"[" * 900 + b"]" * 900, limits) is None  # deep: no crash
+
+
+def test_the_answer_carries_metadata_header_and_clears_the_route() -> None:
+    answer = tier_response("code")
+    common = answer.request_body.response
+    assert common.clear_route_cache
+    assert common.header_mutation.set_headers[0].header.key == "x-trimtab-tier"
+    assert common.header_mutation.set_headers[0].header.raw_value == b"code"
+    assert answer.dynamic_metadata["trimtab.classifier"]["tier"] == "code"
+    empty = tier_response(None)
+    assert empty.WhichOneof("response") == "request_body"
+    assert not empty.request_body.response.clear_route_cache
+    assert not empty.dynamic_metadata.fields
+
+
+def _pools(code_model: str = "m2", **intent: Any) -> list[dict[str, Any]]:
+    return [{"name": "intent", "model": "m", "endpoints": [{"address": "10.0.0.1:80"}], **intent},
+            {"name": "intent-code", "model": code_model,
+             "endpoints": [{"address": "10.0.0.2:80"}]},
+            {"name": "plain", "model": "p", "endpoints": [{"address": "10.0.0.3:80"}]}]
+
+
+def _hop(route: Any) -> bool:
+    per_route = ext_proc_config.ExtProcPerRoute()
+    assert route.typed_per_filter_config["envoy.filters.http.ext_proc"].Unpack(per_route)
+    return not per_route.disabled
+
+
+def test_only_routes_of_pools_with_tiers_take_the_hop() -> None:
+    config = parse_config({"classifier": {"rules": RULES},
+                           "pools": _pools("m", intent_tiers={"code": "intent-code"})})
+    names = [f["name"] for f in http_filters(config)]
+    assert names[-2:] == ["envoy.filters.http.ext_proc", "envoy.filters.http.router"]
+    routes = build_route_config(config).virtual_hosts[0].routes
+    hop = {r.name: _hop(r) for r in routes}
+    assert hop["body:intent"] and hop["body:intent:tier:code"] and hop["header:intent"]
+    assert not hop["body:plain"] and not hop["no-model"] and not hop["body:unknown"]
+    without = parse_config({"classifier": {"rules": RULES}, "pools": _pools()})
+    assert "envoy.filters.http.ext_proc" not in [f["name"] for f in http_filters(without)]
+
+
+BAD = [
+    ({"classifier": {"rules": RULES}, "pools": _pools("m", intent_tiers={"nope": "intent-code"})},
+     "pools[0].intent_tiers.nope: no classifier rule puts requests in tier 'nope'"),
+    ({"pools": _pools("m", intent_tiers={"code": "intent-code"})},
+     "pools[0].intent_tiers.code: intent tiers need a top-level `classifier`"),
+    ({"classifier": {"rules": RULES}, "pools": _pools(intent_tiers={"code": "gone"})},
+     "pools[0].intent_tiers.code: expected another pool's name"),
+    ({"classifier": {"rules": [{"tier": "x", "patterns": ["(unclosed"]}]}, "pools": _pools()},
+     "classifier.rules[0].patterns: pattern '(unclosed' is not a regular expression"),
+    ({"classifier": {"rules": [{"tier": "a b"}]}, "pools": _pools()}, "classifier.rules[0].tier"),
+    ({"classifier": {"rules": []}, "pools": _pools()}, "classifier.rules"),
+    ({"classifier": {"rules": RULES, "address": "localhost:1"}, "pools": _pools()},
+     "classifier.address: expected an IP address"),
+    ({"classifier": {"rules": RULES, "message_timeout_ms": 0}, "pools": _pools()},
+     "classifier.message_timeout_ms"),
+]
+
+
+@pytest.mark.parametrize(("document", "named"), BAD, ids=[n.split(":")[0] for _, n in BAD])
+def test_bad_classifier_keys_exit_2_naming_them(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str],
+                                                document: dict[str, Any], named: str) -> None:
+    path = tmp_path / "trimtab.yaml"
+    path.write_text(yaml.safe_dump(document))
+    assert trimtab(["validate", "--config", str(path)]) == EXIT_BAD_INPUT
+    assert named in capsys.readouterr().err
+
+
+def test_classify_without_a_classifier_section_exits_2(tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trimtab.yaml"
+    path.write_text(yaml.safe_dump({"pools": _pools()}))
+    assert main(["--config", str(path)]) == EXIT_BAD_INPUT
+    assert "no `classifier` section" in capsys.readouterr().err

@@ -1,0 +1,261 @@
+"""`trimtab classify`: the intent classifier, an Envoy ext_proc service over gRPC.
+
+Envoy sends the request headers (answered at once) and the buffered body of requests for pools
+with ``intent_tiers``; the service reads the last user message and answers with the tier: in
+dynamic metadata ``trimtab.classifier.tier`` (what the routes match: a client cannot forge it)
+and in the ``x-trimtab-tier`` header (for the model server to see), and asks Envoy to match the
+route again. No tier: an empty answer, and the request takes the pool's default route. Envoy
+fails open (``failure_mode_allow``, ``message_timeout``), so a slow or dead classifier costs a
+request its tier, never the request.
+
+Rules are built in (keywords, regular expressions, prompt length; first match wins). A learned
+classifier plugs in through `Classifier`: any object with ``classify(text) -> tier | None``.
+
+Bounded: bodies over ``classifier.max_body_bytes`` are not parsed, at most
+``classifier.max_text_chars`` of the message are looked at.
+
+Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import grpc
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from prometheus_client import Counter, Histogram, start_http_server
+
+from .config import (
+    ClassifierConfig,
+    ClassifierRuleConfig,
+    ConfigError,
+    load_config,
+    parse_host_port,
+)
+from .request_features import CLASSIFIER_NAMESPACE, TIER_HEADER
+
+log = logging.getLogger("trimtab.classify")
+EXIT_BAD_INPUT = 2
+DEFAULT_TIER = "default"  # the metric label of "no tier"
+
+DECISIONS = Counter("trimtab_classifier_decisions_total",
+                    "Requests classified, by tier (default: no rule matched or unreadable)",
+                    ["tier"])
+UNREADABLE = Counter("trimtab_classifier_unreadable_total",
+                     "Bodies the classifier could not read (they take the default tier)",
+                     ["reason"])
+DECISION_SECONDS = Histogram("trimtab_classifier_decision_seconds",
+                             "Time to parse a body and classify it",
+                             buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                                      0.025, 0.05))
+
+
+class Classifier(Protocol):
+    """What a learned classifier implements: the tier of one user message, or None."""
+
+    def classify(self, text: str) -> str | None: ...
+
+
+@dataclass(frozen=True)
+class _Rule:
+    tier: str
+    keywords: tuple[str, ...]
+    pattern: re.Pattern[str] | None
+    min_chars: int
+    max_chars: int | None
+
+    def matches(self, text: str, lowered: str) -> bool:
+        if len(text) < self.min_chars or (self.max_chars is not None
+                                          and len(text) >= self.max_chars):
+            return False
+        if not self.keywords and self.pattern is None:
+            return True
+        return any(k in lowered for k in self.keywords) or (
+            self.pattern is not None and self.pattern.search(text) is not None)
+
+
+class RulesClassifier:
+    """The built-in rules, in order; the first that matches names the tier."""
+
+    def __init__(self, rules: Sequence[ClassifierRuleConfig]) -> None:
+        self._rules = tuple(_compile(rule) for rule in rules)
+
+    def classify(self, text: str) -> str | None:
+        lowered = text.lower()
+        for rule in self._rules:
+            if rule.matches(text, lowered):
+                return rule.tier
+        return None
+
+
+def _compile(rule: ClassifierRuleConfig) -> _Rule:
+    pattern = re.compile("|".join(f"(?:{p})" for p in rule.patterns)) if rule.patterns else None
+    return _Rule(rule.tier, tuple(k.lower() for k in rule.keywords if k), pattern,
+                 rule.min_chars, rule.max_chars)
+
+
+def _text_of(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = [part.get("text") for part in content if isinstance(part, dict)
+                 and part.get("type") in ("text", "input_text")]
+        joined = " ".join(t for t in texts if isinstance(t, str))
+        return joined or None
+    return None
+
+
+def last_user_text(body: Any) -> str | None:
+    """The last user message of a chat (``messages``) or Responses (``input``) request."""
+    if not isinstance(body, dict):
+        return None
+    messages = body.get("messages", body.get("input"))
+    if isinstance(messages, str):
+        return messages
+    if not isinstance(messages, list):
+        return None
+    for message in reversed(messages):
+        if isinstance(message, dict) and message.get("role") == "user":
+            return _text_of(message.get("content"))
+    return None
+
+
+def decide(classifier: Classifier, raw: bytes, limits: ClassifierConfig) -> str | None:
+    """The tier of one request body; None (the default) when unreadable or unmatched."""
+    if len(raw) > limits.max_body_bytes:
+        UNREADABLE.labels("too_large").inc()
+        return None
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        UNREADABLE.labels("not_json").inc()
+        return None
+    text = last_user_text(body)
+    if text is None:
+        UNREADABLE.labels("no_user_text").inc()
+        return None
+    return classifier.classify(text[:limits.max_text_chars])
+
+
+def tier_response(tier: str | None) -> ext_proc.ProcessingResponse:
+    response = ext_proc.ProcessingResponse()
+    response.request_body.SetInParent()  # an answer to the body even when it says nothing
+    if tier is None:
+        return response
+    common = response.request_body.response
+    common.clear_route_cache = True
+    header = common.header_mutation.set_headers.add()
+    header.header.key = TIER_HEADER
+    header.header.raw_value = tier.encode()
+    header.append_action = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+    response.dynamic_metadata.update({CLASSIFIER_NAMESPACE: {"tier": tier}})
+    return response
+
+
+_EMPTY = {
+    "request_headers": lambda: ext_proc.ProcessingResponse(request_headers=ext_proc.HeadersResponse()),
+    "response_headers": lambda: ext_proc.ProcessingResponse(
+        response_headers=ext_proc.HeadersResponse()),
+    "response_body": lambda: ext_proc.ProcessingResponse(response_body=ext_proc.BodyResponse()),
+    "request_trailers": lambda: ext_proc.ProcessingResponse(
+        request_trailers=ext_proc.TrailersResponse()),
+    "response_trailers": lambda: ext_proc.ProcessingResponse(
+        response_trailers=ext_proc.TrailersResponse()),
+}
+
+
+class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
+    """One gRPC stream per HTTP request: every message gets its answer."""
+
+    def __init__(self, classifier: Classifier, limits: ClassifierConfig) -> None:
+        self.classifier = classifier
+        self.limits = limits
+
+    async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
+                      context: grpc.aio.ServicerContext) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        async for request in request_iterator:
+            kind = request.WhichOneof("request")
+            if kind == "request_body":
+                started = time.perf_counter()
+                tier = decide(self.classifier, request.request_body.body, self.limits)
+                DECISION_SECONDS.observe(time.perf_counter() - started)
+                DECISIONS.labels(tier or DEFAULT_TIER).inc()
+                yield tier_response(tier)
+            elif kind in _EMPTY:
+                yield _EMPTY[kind]()
+
+
+async def serve_classifier(limits: ClassifierConfig, classifier: Classifier,
+                           stop: asyncio.Event) -> None:
+    where = parse_host_port(limits.address)
+    server = grpc.aio.server(options=[
+        ("grpc.max_receive_message_length", 9 * 1024 * 1024),  # Envoy's buffer limit + slack
+        ("grpc.max_concurrent_streams", 10_000)])
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcService(classifier, limits),
+                                                          server)
+    if server.add_insecure_port(str(where)) == 0:
+        raise OSError(f"cannot listen on {limits.address}")
+    await server.start()
+    log.info("classifier listening on %s (%d rules)", limits.address, len(limits.rules))
+    try:
+        await stop.wait()
+    finally:
+        await server.stop(grace=1.0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trimtab classify", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, help="the trimtab config (its `classifier`)")
+    parser.add_argument("--log-level", default="info",
+                        choices=["debug", "info", "warning", "error"])
+    return parser
+
+
+async def _run(limits: ClassifierConfig) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await serve_classifier(limits, RulesClassifier(limits.rules), stop)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"trimtab classify: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if config.classifier is None:
+        print("trimtab classify: classifier: the config has no `classifier` section",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    limits = config.classifier
+    try:
+        if limits.metrics_address is not None:
+            metrics_at = parse_host_port(limits.metrics_address)
+            start_http_server(metrics_at.port, metrics_at.host)
+        asyncio.run(_run(limits))
+    except OSError as exc:
+        print(f"trimtab classify: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
