@@ -199,10 +199,25 @@ class CompositeConfig(_Model):
         return self
 
 
+class QueueingConfig(_Model):
+    """The queueing policy's knobs (weight_calculator/queueing.py); the backlog horizon is
+    the telemetry interval."""
+
+    window_seconds: float = Field(20.0, gt=0)     # counter reads used for the rates
+    rate_alpha: float = Field(0.5, gt=0, le=1)    # EWMA of the service-rate estimate
+    min_utilisation: float = Field(0.05, gt=0, le=1)
+    deadband: float = Field(0.10, ge=0, lt=1)     # relative to the previous weight
+    rise_alpha: float = Field(0.5, gt=0, le=1)    # rises are smoothed, drops apply at once
+    kv_degraded: float = Field(0.95, gt=0, le=1)
+    staleness: Literal["saturated", "hold", "ignore"] = "saturated"
+
+
 class WeightsConfig(_Model):
-    policy: Literal["gpu_memory", "composite"] = "gpu_memory"
+    # reference: issue 11's baseline controller, for benchmarks (weight_calculator/reference.py)
+    policy: Literal["gpu_memory", "composite", "queueing", "reference"] = "gpu_memory"
     max_weight: int = Field(100, ge=1, le=128)
     composite: CompositeConfig = CompositeConfig()
+    queueing: QueueingConfig = QueueingConfig()
 
 
 class EndpointConfig(_Addressed):

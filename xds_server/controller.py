@@ -31,6 +31,7 @@ from .slo import SloTracker, split_signals
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
 from .sources import TelemetrySource, build_sources
 from .telemetry import Scraper, ScrapeResult, TelemetryStore
+from .service_history import ServiceHistory
 from .weighing import LatencyWindow, cluster_weights
 
 log = logging.getLogger("trimtab.controller")
@@ -66,6 +67,7 @@ class Controller:
         self._own_scraper = scraper is None
         self.scraper = scraper or self._new_scraper(config)
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
+        self.service = ServiceHistory()  # counter reads for the queueing policy
         self.sources: dict[str, TelemetrySource] = {}
         self.apply_config(config)
 
@@ -84,6 +86,7 @@ class Controller:
         self.store.forget(addresses)
         self.slo.forget(addresses)
         self.latency.forget(addresses)
+        self.service.forget(addresses)
         self.rollouts.apply_config(config)
         self.autoscaler.apply_config(config)
         names = {name for pool in config.pools for name, _, _ in pool.clusters()}
@@ -143,7 +146,8 @@ class Controller:
             for cluster, _, endpoints in pool.clusters():
                 observations = self.store.observations(ep.address for ep in endpoints)
                 weights[cluster] = cluster_weights(self.config, pool, endpoints, observations,
-                                                   self.latency, now, self.weights.get(cluster))
+                                                   self.latency, now, self.weights.get(cluster),
+                                                   self.service)
                 self._note_pool(cluster, weights[cluster], results)
         self.weights = weights
 
@@ -154,6 +158,7 @@ class Controller:
             self.slo.record(address, result.collected_at, slo)
             clean, rejected = screen_signals(plain)
             self.latency.record(address, result.collected_at, clean)
+            self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)
         self.store.record(address, result)
         return result

@@ -18,10 +18,13 @@ from weight_calculator.composite import (
     compute_composite_weights,
 )
 from weight_calculator.gpu_memory import compute_pool_weights
+from weight_calculator.queueing import QueueingPolicy, compute_queueing_weights
+from weight_calculator.reference import compute_reference_weights
 from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
 
 from .adapters import HistogramHistory, histogram_from_signals
 from .config import Config, EndpointConfig, PoolConfig
+from .service_history import ServiceHistory
 
 
 def gpu_memory_policy(config: Config) -> GpuMemoryPolicy:
@@ -35,6 +38,13 @@ def composite_policy(config: Config, pool: PoolConfig) -> CompositePolicy:
         knobs["itl_slo_ms"] = pool.itl_slo_ms
     return CompositePolicy(**knobs, max_weight=config.weights.max_weight,
                            stale_after_seconds=config.telemetry.stale_after_seconds)
+
+
+def queueing_policy(config: Config) -> QueueingPolicy:
+    return QueueingPolicy(**config.weights.queueing.model_dump(),
+                          max_weight=config.weights.max_weight,
+                          horizon_seconds=config.telemetry.interval_seconds,
+                          stale_after_seconds=config.telemetry.stale_after_seconds)
 
 
 class LatencyWindow:
@@ -69,7 +79,8 @@ def _composite_input(endpoint: EndpointConfig, obs: Observation, itl: float | No
 
 def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
                     observations: Mapping[str, Observation], latency: LatencyWindow,
-                    now: float, previous: PoolWeights | None) -> PoolWeights:
+                    now: float, previous: PoolWeights | None,
+                    service: ServiceHistory | None = None) -> PoolWeights:
     """The pool policy's weights, then warm-up (endpoints younger than stale_after with no
     telemetry yet) and the flags of rejected inputs."""
     prior = without_warm_up(previous)
@@ -78,6 +89,16 @@ def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[Endpoi
                                                latency.itl_ms(ep.address, now))
                   for ep in endpoints}
         weights = compute_composite_weights(inputs, composite_policy(config, pool), now, prior)
+    elif config.weights.policy == "reference":
+        inputs = {ep.address: _composite_input(ep, observations[ep.address], None)
+                  for ep in endpoints}
+        weights = compute_reference_weights(inputs, composite_policy(config, pool), now, prior)
+    elif config.weights.policy == "queueing":
+        inputs = {ep.address: _composite_input(ep, observations[ep.address], None)
+                  for ep in endpoints}
+        readings = {ep.address: service.readings(ep.address) if service else ()
+                    for ep in endpoints}
+        weights = compute_queueing_weights(inputs, readings, queueing_policy(config), now, prior)
     else:
         weights = compute_pool_weights(observations, gpu_memory_policy(config), now, prior)
     warmup = min(pool.warmup_weight, config.weights.max_weight)

@@ -164,16 +164,16 @@ class LongContext:
 LONG_POOL = f"{CLUSTER}-long"
 
 
-def _pools(model: str, addresses: Sequence[str],
-           long_context: LongContext | None) -> list[dict[str, Any]]:
-    main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": "least_request",
+def _pools(model: str, addresses: Sequence[str], long_context: LongContext | None,
+           lb_policy: str = "least_request") -> list[dict[str, Any]]:
+    main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
     if long_context is None:
         return [main]
     main["long_context"] = {"pool": LONG_POOL,
                             "min_prompt_bytes": long_context.min_prompt_bytes}
     long_pool = {"name": LONG_POOL, "model": f"{model}#long-context",
-                 "lb_policy": "least_request",
+                 "lb_policy": lb_policy,
                  "endpoints": [{"address": a} for a in long_context.addresses]}
     return [main, long_pool]
 
@@ -181,8 +181,9 @@ def _pools(model: str, addresses: Sequence[str],
 def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin_port: int,
                    listener_port: int, weights: str = "composite", interval: float = 2.0,
                    composite: Mapping[str, Any] | None = None,
-                   long_context: LongContext | None = None) -> dict[str, Any]:
-    """``trimtab serve`` config: one pool of the fleet, least request on trimtab's weights.
+                   long_context: LongContext | None = None, lb_policy: str = "least_request",
+                   queueing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
     (the product's 6 s at the default 2 s tick). ``composite`` overrides knobs of the
@@ -193,11 +194,13 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
     weights_section: dict[str, Any] = {"policy": weights}
     if composite:
         weights_section["composite"] = dict(composite)
+    if queueing:
+        weights_section["queueing"] = dict(queueing)
     return {
         "xds": {"address": f"127.0.0.1:{xds_port}"},
         "admin": {"address": f"127.0.0.1:{admin_port}"},
         "listener": {"address": f"127.0.0.1:{listener_port}"},
         "telemetry": {"interval_seconds": interval, "stale_after_seconds": 3 * interval},
         "weights": weights_section,
-        "pools": _pools(model, addresses, long_context),
+        "pools": _pools(model, addresses, long_context, lb_policy),
     }

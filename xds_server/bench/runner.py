@@ -235,18 +235,22 @@ class SimFleetProcess:
 # ---- Envoy (+ trimtab) for one policy -----------------------------------------------------
 class PolicyStack:
     """Envoy in front of the fleet for one policy; for ``trimtab`` and ``reference`` also
-    ``trimtab serve`` (``reference``: :data:`reference.COMPOSITE` every
-    :data:`reference.INTERVAL_S`, one pool, whatever the other arguments say)."""
+    ``trimtab serve`` (``reference``: ``weights.policy: reference`` every
+    :data:`reference.INTERVAL_S`, least_request, one pool, whatever the other arguments
+    say)."""
 
     def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "composite",
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
                  composite: dict[str, Any] | None = None,
-                 long_context: envoy_configs.LongContext | None = None) -> None:
+                 long_context: envoy_configs.LongContext | None = None,
+                 lb_policy: str = "least_request", queueing: dict[str, Any] | None = None
+                 ) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
         if policy == envoy_configs.REFERENCE:
-            weights, interval, composite = "composite", reference.INTERVAL_S, reference.COMPOSITE
-            long_context = None
+            weights, interval, composite = reference.WEIGHTS, reference.INTERVAL_S, None
+            long_context, lb_policy, queueing = None, reference.LB_POLICY, None
+        self.lb_policy, self.queueing = lb_policy, dict(queueing or {})
         self.policy, self.fleet, self.workdir = policy, fleet, workdir
         self.weights, self.interval, self.composite = weights, interval, dict(composite or {})
         self.long_context = long_context
@@ -299,7 +303,7 @@ class PolicyStack:
             model=self.fleet.model, addresses=self.fleet.addresses, xds_port=xds_port,
             admin_port=self.trimtab_admin_port, listener_port=self.listener_port,
             weights=self.weights, interval=self.interval, composite=self.composite,
-            long_context=self.long_context)
+            long_context=self.long_context, lb_policy=self.lb_policy, queueing=self.queueing)
         name = "trimtab" if self.policy == "trimtab" else f"trimtab-{self.policy}"
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
