@@ -383,3 +383,26 @@ def test_the_reference_policy_is_exactly_the_issues_formula() -> None:
         {"a": 50, "b": 10}
     assert reference.reference_weights({"a": 0.5, "b": 0.0}, {"a": 100.0, "b": 10.0},
                                        {"a": 4.0, "b": 0.0}) == {"a": 10, "b": 10}
+
+
+def test_inflight_series_and_the_per_policy_plot(tmp_path: Path) -> None:
+    """bench.png gets one row per policy: Envoy's weight per host and each server's
+    running + waiting over time (the simulator's samples)."""
+    from xds_server.bench.report import inflight_series, write_png
+
+    samples = [(float(t), {"servers": {"h100": {"running": t, "waiting": 0, "kv_usage": 0.1},
+                                       "l4": {"running": 2, "waiting": t % 3,
+                                              "kv_usage": 0.5}}}) for t in range(0, 20, 2)]
+    series = inflight_series(samples)
+    assert series["h100"][3] == [6.0, 6] and series["l4"][2] == [4.0, 3]
+    entry = {"summary": {"per_server": {"h100": {"count": 9}, "l4": {"count": 1}}},
+             "envoy_weights": {"h100": [[0.0, 100], [10.0, 90]], "l4": [[0.0, 8], [10.0, 1]]},
+             "inflight": series}
+    doc = {"config": {"fleet": "f", "workload": "w", "rate": 1.0, "warmup": 2.0}, "seed": 1,
+           "policies": {"least_request": entry, "trimtab": entry}}
+    path = tmp_path / "bench.png"
+    assert write_png(doc, {"least_request": [0.1, 0.2], "trimtab": [0.1]}, path)
+    from PIL import Image  # matplotlib depends on Pillow
+
+    width, height = Image.open(path).size
+    assert height > width * 0.5  # three rows of panels, not the old single row

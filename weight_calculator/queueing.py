@@ -30,9 +30,10 @@ independent M/M/1 servers): ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu_
 ``M = sum(mu)``, endpoints whose ``r_i`` would be negative left out and the rest recomputed.
 Fast endpoints are loaded more than in proportion to their rate and a slow one only when the
 fast ones would otherwise queue. When the pool is overloaded (``lam >= M``) the share is
-proportional to ``mu``. Then the backlog is drained over one tick: ``r_i -= q_i / H``
-(``H = horizon_seconds``, the telemetry interval), and ``target = max_weight * r_i / max r``,
-clamped to ``[1, max_weight]``.
+proportional to ``mu``. Then the backlog caps it: over the next tick (``H =
+horizon_seconds``, the telemetry interval) the endpoint can take on at most its spare service
+rate ``mu_i - q_i / H``, so ``r_i = min(r_i, mu_i - q_i / H)`` (at least 0), and ``target =
+max_weight * r_i / max r``, clamped to ``[1, max_weight]``.
 
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
@@ -339,8 +340,8 @@ def compute_queueing_weights(
         waiting = e.assessed.signals.get("queue", 0.0)
         if rated and per_request is not None:
             backlogs[e.address] = waiting * per_request
-            shares[e.address] = max(0.0, split[e.address] - backlogs[e.address]
-                                    / policy.horizon_seconds)
+            spare = mu[e.address] - backlogs[e.address] / policy.horizon_seconds
+            shares[e.address] = max(0.0, min(split[e.address], spare))
         else:  # no work counters: the queue alone, as 1 / (1 + waiting)
             backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
             shares[e.address] = split[e.address] / (1.0 + waiting)

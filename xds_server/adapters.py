@@ -97,6 +97,7 @@ class PageReading:
         return out
 
 
+_COUNTERS = frozenset({"requests_done", "prompt_tokens", "generation_tokens"})  # not load
 _GAUGES = (
     "queue",
     "running",
@@ -480,7 +481,7 @@ def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None) ->
     fields, histograms = _EXTRACTORS[server](reader) if server in _EXTRACTORS else ({}, {})
     fields["gpu_mem_pct"] = _dcgm_memory(reader, gpu, uuid)
     fields["gpu_util_pct"] = _dcgm_util(reader, gpu, uuid)
-    if all(v is None for v in fields.values()) and not histograms:
+    if all(v is None for k, v in fields.items() if k not in _COUNTERS) and not histograms:
         detail = "; ".join(reader.problems) or "no known signal metric present"
         raise MetricsFormatError(f"{server} page has no usable signal: {detail}")
     return PageReading(

@@ -377,7 +377,8 @@ class PoolConfig(_Model):
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     versions: dict[Literal["stable", "canary"], VersionConfig] | None = None
     rollout: RolloutConfig | None = None
-    long_context: PromptClassConfig | None = None
+    # "auto": classes derived from the endpoints' KV capacities (xds_server/auto_classes.py)
+    long_context: PromptClassConfig | Literal["auto"] | None = None
     prompt_classes: list[PromptClassConfig] = Field(default_factory=list)
     fallback: str | None = None
     retry_policy: RetryConfig = RetryConfig()
@@ -447,8 +448,13 @@ class PoolConfig(_Model):
         return self.telemetry_source or config.telemetry.source
 
     def size_classes(self) -> list[PromptClassConfig]:
-        extra = [self.long_context] if self.long_context is not None else []
+        extra = [self.long_context] if isinstance(self.long_context, PromptClassConfig) else []
         return [*self.prompt_classes, *extra]
+
+    @property
+    def auto_classes(self) -> bool:
+        """``long_context: auto``: prompt-size classes derived from KV capacities."""
+        return self.long_context == "auto"
 
 
 class KedaConfig(_Model):
@@ -569,8 +575,11 @@ def _endpoint_checks(p_index: int, pool: PoolConfig) -> list[tuple[str, str]]:
 def _class_checks(p_index: int, pool: PoolConfig, names: set[str]) -> list[tuple[str, str]]:
     problems = []
     classes = [(f"pools[{p_index}].prompt_classes[{i}]", c) for i, c in enumerate(pool.prompt_classes)]
-    if pool.long_context is not None:
+    if isinstance(pool.long_context, PromptClassConfig):
         classes.append((f"pools[{p_index}].long_context", pool.long_context))
+    elif pool.auto_classes and (pool.versions is not None or pool.prompt_classes):
+        problems.append((f"pools[{p_index}].long_context", "`auto` cannot be combined with "
+                         "`versions` or `prompt_classes` (yet)"))
     for index, (path, cls) in enumerate(classes):
         if cls.pool not in names or cls.pool == pool.name:
             problems.append((f"{path}.pool", f"expected another pool's name, got {cls.pool!r}"))

@@ -21,10 +21,18 @@ from weight_calculator.types import PoolWeights
 
 from . import metrics, type_urls
 from .adapters import screen_signals
+from .auto_classes import AutoClass, capacities_of, derive_classes
 from .autoscale import Autoscaler
 from .cache import SnapshotCache
 from .config import Config, EndpointConfig
-from .resources import DEGRADED, HEALTHY, EndpointSetting, build_clusters, build_load_assignment
+from .resources import (
+    DEGRADED,
+    HEALTHY,
+    EndpointSetting,
+    build_cluster,
+    build_clusters,
+    build_load_assignment,
+)
 from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
 from .slo import SloTracker, split_signals
@@ -69,6 +77,8 @@ class Controller:
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
         self.service = ServiceHistory()  # counter reads for the queueing policy
         self.sources: dict[str, TelemetrySource] = {}
+        self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
+        self._auto_clusters: list[Message] = []
         self.apply_config(config)
 
     @staticmethod
@@ -81,7 +91,10 @@ class Controller:
         self.sources = build_sources(config, self.scraper, needs_slo(config))
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._listener = build_listener(config)
-        self._routes = build_route_config(config, self.canary_percent)
+        self.auto = {name: c for name, c in self.auto.items()
+                     if any(p.name == name and p.auto_classes for p in config.pools)}
+        self._auto_clusters = self._build_auto_clusters()
+        self._routes = build_route_config(config, self.canary_percent, self.auto)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
@@ -96,7 +109,7 @@ class Controller:
         """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
         if dict(percent) != self.canary_percent:
             self.canary_percent = dict(percent)
-            self._routes = build_route_config(self.config, self.canary_percent)
+            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included)."""
@@ -150,6 +163,45 @@ class Controller:
                                                    self.service)
                 self._note_pool(cluster, weights[cluster], results)
         self.weights = weights
+        self._update_auto_classes()
+
+    def _update_auto_classes(self) -> None:
+        """Derive each ``long_context: auto`` pool's classes from the KV capacities known now;
+        rebuild the derived clusters and the routes only when they changed."""
+        auto: dict[str, tuple[AutoClass, ...]] = {}
+        for pool in self.config.pools:
+            if not pool.auto_classes:
+                continue
+            addresses = [ep.address for ep in pool.endpoints]
+            read = {a: (o.sample.signals.get("kv_capacity_tokens") if o.sample else None)
+                    for a, o in self.store.observations(addresses).items()}
+            configured = {ep.address: ep.capacity for ep in pool.endpoints}
+            classes = derive_classes(pool.name, capacities_of(addresses, configured, read))
+            if classes:
+                auto[pool.name] = classes
+        if auto != self.auto:
+            log.info("automatic prompt-size classes: %s", {
+                p: [(c.cluster, c.min_prompt_bytes, c.max_prompt_bytes, len(c.addresses))
+                    for c in cs] for p, cs in auto.items()} or "none")
+            self.auto = auto
+            self._auto_clusters = self._build_auto_clusters()
+            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+
+    def _build_auto_clusters(self) -> list[Message]:
+        return [build_cluster(self.config.pool(name), c.cluster)
+                for name, classes in self.auto.items() for c in classes]
+
+    def _auto_assignments(self, settings: Mapping[str, Mapping[str, EndpointSetting]]
+                          ) -> list[Message]:
+        """Each derived cluster holds its members with the pool's own weights and health."""
+        out: list[Message] = []
+        for name, classes in self.auto.items():
+            pool = self.config.pool(name)
+            by_address = {ep.address: ep for ep in pool.endpoints}
+            for c in classes:
+                members = [by_address[a] for a in c.addresses if a in by_address]
+                out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
+        return out
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
@@ -205,10 +257,11 @@ class Controller:
     def resources(self) -> dict[str, list[Message]]:
         settings = self.settings()
         messages: dict[str, list[Message]] = {
-            type_urls.CLUSTER: list(self._clusters),
-            type_urls.ENDPOINT: [build_load_assignment(name, endpoints, settings.get(name, {}))
-                                 for pool in self.config.pools
-                                 for name, _, endpoints in pool.clusters()],
+            type_urls.CLUSTER: [*self._clusters, *self._auto_clusters],
+            type_urls.ENDPOINT: [*(build_load_assignment(name, endpoints, settings.get(name, {}))
+                                   for pool in self.config.pools
+                                   for name, _, endpoints in pool.clusters()),
+                                 *self._auto_assignments(settings)],
             type_urls.LISTENER: [self._listener],
             type_urls.ROUTE: [self._routes],
         }

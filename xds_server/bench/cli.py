@@ -84,6 +84,7 @@ class BenchSettings:
     tolerance: float = report.HOMOGENEOUS_TOLERANCE
     lb_policy: str = "least_request"
     queueing: dict[str, Any] = field(default_factory=dict)
+    auto_classes: bool = False
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -188,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="F", help="how many of the workload's longest requests a server's "
                                      f"KV cache must hold to join the long-context pool "
                                      f"(default {LONG_POOL_KV_FACTOR:g})")
+    p.add_argument("--auto-classes", action="store_true",
+                   help="trimtab only: long_context: auto (prompt-size classes derived from "
+                        "the servers' KV capacities); excludes --long-context-tokens")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild bench.json/png and the table from --out's records; run nothing")
@@ -208,7 +212,9 @@ def settings_from(args: argparse.Namespace, w: Workload,
         raise ValueError("--warmup and --tail must be >= 0")
     if args.long_context_tokens < 0:
         raise ValueError("--long-context-tokens must be >= 0")
-    if args.long_context_tokens and not w.realistic_bodies:
+    if args.auto_classes and args.long_context_tokens:
+        raise ValueError("--auto-classes and --long-context-tokens exclude each other")
+    if (args.long_context_tokens or args.auto_classes) and not w.realistic_bodies:
         raise ValueError("--long-context-tokens routes on content-length: the workload needs "
                          "realistic_bodies: true")
     return BenchSettings(
@@ -219,6 +225,7 @@ def settings_from(args: argparse.Namespace, w: Workload,
         long_context_tokens=args.long_context_tokens,
         long_context_kv_factor=args.long_context_kv_factor,
         lb_policy=args.lb_policy, queueing=dict(args.queueing),
+        auto_classes=args.auto_classes,
         homogeneous=(args.targets == "homogeneous" if args.targets != "auto"
                      else spec is not None and fleet_is_homogeneous(spec)),
         tolerance=args.tolerance)
@@ -273,8 +280,8 @@ def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> Load
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
                         composite=s.composite, lb_policy=s.lb_policy, queueing=s.queueing,
-                        long_context=long_context_for(fleet, w, s.long_context_tokens,
-                                                     s.long_context_kv_factor))
+                        long_context="auto" if s.auto_classes else long_context_for(
+                            fleet, w, s.long_context_tokens, s.long_context_kv_factor))
     try:
         stack.start()
         log(f"{policy}: Envoy routes to {len(fleet.servers)} hosts via "
@@ -322,6 +329,7 @@ def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
                         "queueing": s.queueing,
                         "interval_seconds": s.interval, "composite": s.composite,
                         "long_context_tokens": s.long_context_tokens,
+                        "auto_classes": s.auto_classes,
                         "long_context_kv_factor": s.long_context_kv_factor},
             "reference": {"lb_policy": reference.LB_POLICY, "weights": reference.WEIGHTS,
                           "interval_seconds": reference.INTERVAL_S}}

@@ -164,11 +164,14 @@ class LongContext:
 LONG_POOL = f"{CLUSTER}-long"
 
 
-def _pools(model: str, addresses: Sequence[str], long_context: LongContext | None,
+def _pools(model: str, addresses: Sequence[str], long_context: LongContext | str | None,
            lb_policy: str = "least_request") -> list[dict[str, Any]]:
     main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
-    if long_context is None:
+    if long_context == "auto":  # classes derived from the servers' KV capacities
+        main["long_context"] = "auto"
+        return [main]
+    if not isinstance(long_context, LongContext):
         return [main]
     main["long_context"] = {"pool": LONG_POOL,
                             "min_prompt_bytes": long_context.min_prompt_bytes}
@@ -181,7 +184,8 @@ def _pools(model: str, addresses: Sequence[str], long_context: LongContext | Non
 def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin_port: int,
                    listener_port: int, weights: str = "composite", interval: float = 2.0,
                    composite: Mapping[str, Any] | None = None,
-                   long_context: LongContext | None = None, lb_policy: str = "least_request",
+                   long_context: LongContext | str | None = None,
+                   lb_policy: str = "least_request",
                    queueing: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.
 

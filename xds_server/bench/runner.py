@@ -242,7 +242,7 @@ class PolicyStack:
     def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "composite",
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
                  composite: dict[str, Any] | None = None,
-                 long_context: envoy_configs.LongContext | None = None,
+                 long_context: envoy_configs.LongContext | str | None = None,
                  lb_policy: str = "least_request", queueing: dict[str, Any] | None = None
                  ) -> None:
         if policy not in envoy_configs.POLICIES:
@@ -360,7 +360,15 @@ def trimtab_weights(document: dict[str, Any]) -> dict[str, Any]:
     """``/v1/weights`` -> ``{address: {weight, health, signals}}`` of the bench pool."""
     pool = document["pools"][envoy_configs.CLUSTER]
     return {address: {"weight": e["weight"], "health": e.get("health"),
-                      "signals": e.get("signals", {})} for address, e in pool.items()}
+                      "signals": e.get("signals", {}),
+                      "breakdown": {k: v for k, v in (e.get("breakdown") or {}).items()
+                                    if k in BREAKDOWN_KEPT}}
+            for address, e in pool.items()}
+
+
+# the queueing policy's estimates, kept per sample so a reader can see why weights moved
+BREAKDOWN_KEPT = frozenset({"service_rate", "throughput", "share", "backlog",
+                            "predicted_wait_s", "target_weight"})
 
 
 def envoy_weights(document: dict[str, Any]) -> dict[str, int]:
