@@ -19,7 +19,8 @@ from weight_calculator.queueing import (
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 NOW = 1000.0
-POLICY = QueueingPolicy()
+POLICY = QueueingPolicy()  # utilisation "saturated": only queued intervals measure the rate
+KV = QueueingPolicy(utilisation="kv")  # unsaturated intervals extrapolated by KV use
 
 
 def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_per_s: float = 1.0,
@@ -46,15 +47,25 @@ def test_a_saturated_endpoints_throughput_is_its_service_rate() -> None:
     assert r.saturated_seconds == pytest.approx(20.0)
 
 
-def test_an_unsaturated_endpoints_rate_is_corrected_by_its_utilisation() -> None:
+def test_an_unsaturated_endpoint_only_bounds_its_rate_from_below() -> None:
     r = rates(history(600.0, kv=0.25), NOW, POLICY)
     assert r.throughput == pytest.approx(600.0)
-    assert r.service_rate == pytest.approx(2400.0)  # at a quarter of its KV in use
+    assert r.service_rate is None  # never queued: no measurement at capacity
     assert r.saturated_seconds == 0.0
+    # half the window queued: those intervals alone measure it
+    mixed = history(600.0, kv=0.25, seconds=10.0, end=NOW - 10.0) + [
+        Reading(NOW - 10.0 + 2.0 * i, 3.0 + i, 6000.0 + 900.0 * 2.0 * i, 4.0, 3.0, 0.9)
+        for i in range(6)]
+    assert rates(mixed, NOW, POLICY).service_rate == pytest.approx(900.0)
+
+
+def test_in_kv_mode_an_unsaturated_rate_is_extrapolated_by_kv_use() -> None:
+    r = rates(history(600.0, kv=0.25), NOW, KV)
+    assert r.service_rate == pytest.approx(2400.0)  # at a quarter of its KV in use
 
 
 def test_idle_intervals_and_counter_resets_say_nothing() -> None:
-    idle = rates(history(0.0, kv=0.0), NOW, POLICY)
+    idle = rates(history(0.0, kv=0.0), NOW, KV)
     assert idle.throughput == 0.0 and idle.service_rate is None
     before = history(600.0, waiting=5.0, kv=0.9, seconds=10.0, end=NOW - 10.0)
     after = history(600.0, waiting=5.0, kv=0.9, seconds=8.0)  # restarted: counters from 0
@@ -88,10 +99,16 @@ def test_weights_follow_the_measured_service_rate_not_the_kv_capacity() -> None:
     inputs = {"h": inp(kv=0.3, capacity=450_000.0), "l": inp(kv=0.9, queue=6, capacity=38_000.0)}
     readings = {"h": history(6000.0, kv=0.3, done_per_s=5.0),
                 "l": history(300.0, waiting=6.0, kv=0.9, done_per_s=0.25)}
-    w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
     h, low = w.endpoints["h"], w.endpoints["l"]
     assert h.weight == 100 and low.weight == 1
     assert h.breakdown["service_rate"] == pytest.approx(20_000.0)  # 6000 / 0.3
+    # by default the unqueued "H100" is not measured: its rate is at least what it did
+    # (6000), more than the L4's rate per KV token says (300 / 38k x 450k = 3553)
+    plain = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    assert plain.endpoints["h"].weight == 100 and plain.endpoints["l"].weight == 1
+    assert "service_rate" not in plain.endpoints["h"].breakdown
+    assert plain.endpoints["l"].breakdown["service_rate"] == pytest.approx(300.0)
     assert low.breakdown["service_rate"] == pytest.approx(300.0)
     per_request = (6000.0 + 300.0) / 5.25
     assert low.breakdown["backlog"] == pytest.approx(6 * per_request)
@@ -110,7 +127,7 @@ def test_without_counters_weights_are_capacity_over_queue() -> None:
 def test_an_endpoint_without_evidence_gets_the_pools_rate_per_kv_token() -> None:
     inputs = {"seen": inp(kv=0.5, capacity=100_000.0), "new": inp(kv=0.0, capacity=50_000.0)}
     readings = {"seen": history(1000.0, kv=0.5)}
-    w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
     # seen: mu = 2000 tokens/s; new: 2000 / 100k x 50k = 1000; lam = 1000 -> square root
     mu_seen, mu_new, lam = 2000.0, 1000.0, 1000.0
     spare = (mu_seen + mu_new - lam) / (math.sqrt(mu_seen) + math.sqrt(mu_new))
@@ -123,19 +140,24 @@ def test_the_service_rate_is_remembered_through_previous_weights() -> None:
     inputs = {"a": inp(kv=0.9, queue=3.0), "b": inp(kv=0.2)}
     first = compute_queueing_weights(
         inputs, {"a": history(500.0, waiting=3.0, kv=0.9), "b": history(1000.0, kv=0.2)},
-        POLICY, NOW, None)
+        KV, NOW, None)
     assert first.endpoints["a"].breakdown["service_rate"] == pytest.approx(500.0)
     # a quiet minute later: no readings in the window, the estimate is kept
     inputs = {"a": inp(kv=0.9, queue=3.0, at=NOW + 59), "b": inp(kv=0.2, at=NOW + 59)}
-    later = compute_queueing_weights(inputs, {}, POLICY, NOW + 60, first)
+    later = compute_queueing_weights(inputs, {}, KV, NOW + 60, first)
     assert later.endpoints["a"].breakdown["service_rate"] == pytest.approx(500.0)
-    # new evidence is blended with rate_alpha
+    # new evidence is blended with rate_alpha ...
     again = compute_queueing_weights(
-        inputs, {"a": history(1500.0, waiting=3.0, kv=0.9, end=NOW + 62)}, POLICY, NOW + 62,
+        inputs, {"a": history(300.0, waiting=3.0, kv=0.9, end=NOW + 62)}, KV, NOW + 62,
         later)
-    assert again.endpoints["a"].breakdown["service_rate"] == pytest.approx(1000.0)
+    assert again.endpoints["a"].breakdown["service_rate"] == pytest.approx(400.0)
+    # ... but never below what the endpoint was seen to do
+    faster = compute_queueing_weights(
+        inputs, {"a": history(1500.0, waiting=3.0, kv=0.9, end=NOW + 62)}, KV, NOW + 62,
+        later)
+    assert faster.endpoints["a"].breakdown["service_rate"] == pytest.approx(1500.0)
     # pure: the same arguments give the same weights
-    assert compute_queueing_weights(inputs, {}, POLICY, NOW + 60, first) == later
+    assert compute_queueing_weights(inputs, {}, KV, NOW + 60, first) == later
 
 
 def test_weights_stay_within_bounds() -> None:
@@ -164,7 +186,7 @@ def test_relative_deadband_keeps_small_changes_and_drops_at_once() -> None:
 def test_an_overloaded_small_endpoint_loses_its_weight_within_one_tick() -> None:
     inputs = {"big": inp(kv=0.5, capacity=400_000.0), "small": inp(kv=0.5, capacity=40_000.0)}
     readings = {"big": history(4000.0, kv=0.5), "small": history(1000.0, kv=0.5)}
-    calm = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    calm = compute_queueing_weights(inputs, readings, KV, NOW, None)
     assert calm.endpoints["small"].weight == 7  # r = 2000 - sqrt(2000) * 5000 / 134.2
     # next tick: the small one has ten requests waiting (25 000 tokens of work, 12 s at
     # its rate): its weight falls to the floor at once, not over several ticks
@@ -173,7 +195,7 @@ def test_an_overloaded_small_endpoint_loses_its_weight_within_one_tick() -> None
               "small": inp(kv=0.9, queue=10.0, capacity=40_000.0, at=tick - 0.5)}
     readings = {"big": history(4000.0, kv=0.5, end=tick),
                 "small": history(1000.0, kv=0.5, end=tick)}
-    loaded = compute_queueing_weights(inputs, readings, POLICY, tick, calm)
+    loaded = compute_queueing_weights(inputs, readings, KV, tick, calm)
     assert loaded.endpoints["small"].weight == 1
     assert loaded.endpoints["small"].breakdown["predicted_wait_s"] > 10
     assert loaded.endpoints["big"].weight == 100
@@ -203,3 +225,14 @@ def test_policy_knobs_are_checked() -> None:
                 {"max_weight": 0}, {"staleness": "nope"}):
         with pytest.raises(ValueError, match="QueueingPolicy"):
             QueueingPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_the_proportional_split_is_available_by_name() -> None:
+    inputs = {"a": inp(kv=0.5, capacity=400_000.0), "b": inp(kv=0.5, capacity=40_000.0)}
+    readings = {"a": history(4000.0, kv=0.5), "b": history(1000.0, kv=0.5)}
+    w = compute_queueing_weights(inputs, readings,
+                                 QueueingPolicy(split="proportional", utilisation="kv"), NOW,
+                                 None)
+    assert {a: e.weight for a, e in w.endpoints.items()} == {"a": 100, "b": 25}  # 8000 : 2000
+    with pytest.raises(ValueError, match="split"):
+        QueueingPolicy(split="magic")

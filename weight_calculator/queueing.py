@@ -10,16 +10,21 @@ Per endpoint, over the readings of the last ``window_seconds``:
 
 * **Work** is prompt plus generation tokens (``vllm:prompt_tokens_total`` +
   ``vllm:generation_tokens_total``), the throughput ``X`` their delta over time.
-* **Utilisation** ``u`` of each interval between two reads: 1 when requests waited at both
-  ends (the engine was full: what it did then *is* its capacity), else the mean KV-cache use
-  (vLLM admits waiting requests while KV blocks last, so KV use is the share of its
-  concurrency in use), at least ``min_utilisation``.
-* **Service rate** ``mu = sum(work) / sum(dt * u)``: the throughput it would reach at full
-  utilisation. An interval with next to no work (``u`` below ``min_utilisation``, idle)
-  says nothing and is skipped. The estimate is smoothed with ``rate_alpha`` against the
-  previous one. Before an endpoint has shown anything the pool's prior applies: its KV
-  capacity times the median rate per KV token of the endpoints that have (or, when none
-  has, its KV capacity alone: the weights are then proportional to capacity).
+* **Service rate** ``mu``: the throughput *at the utilisation seen*. An interval between two
+  reads with requests waiting at both ends found the engine full, so what it did then is its
+  capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
+  the default). Any other interval only bounds ``mu`` from below (it did at least ``X``).
+  There is a measurement only once the window holds one horizon (``H``) of queued time.
+  ``utilisation: kv`` also counts unqueued intervals, scaled up by their mean KV use
+  (``sum(work) / sum(dt * u)``, intervals below ``min_utilisation`` skipped); measured on
+  the simulator it overestimates fast GPUs about twofold (throughput does not grow linearly
+  to a full KV cache), so it is not the default. The estimate is smoothed with
+  ``rate_alpha`` against the previous one and never below the window's throughput. Before
+  an endpoint has been measured the pool's prior applies: its KV capacity times the median
+  rate per KV token of the measured endpoints (or, when none is, its KV capacity alone: the
+  weights are then proportional to capacity, over ``1 + waiting``), at least its throughput.
+  Over-estimating an unmeasured endpoint corrects itself (it queues, and is measured);
+  under-estimating would not, which is why the prior is taken from measurements at capacity.
 * **Backlog** ``q = waiting * c``, with ``c`` the pool's mean work per finished request over
   the window (a new request waits behind that much work); the **predicted wait**
   ``q / mu`` is reported in the breakdown.
@@ -30,10 +35,11 @@ independent M/M/1 servers): ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu_
 ``M = sum(mu)``, endpoints whose ``r_i`` would be negative left out and the rest recomputed.
 Fast endpoints are loaded more than in proportion to their rate and a slow one only when the
 fast ones would otherwise queue. When the pool is overloaded (``lam >= M``) the share is
-proportional to ``mu``. Then the backlog caps it: over the next tick (``H =
-horizon_seconds``, the telemetry interval) the endpoint can take on at most its spare service
-rate ``mu_i - q_i / H``, so ``r_i = min(r_i, mu_i - q_i / H)`` (at least 0), and ``target =
-max_weight * r_i / max r``, clamped to ``[1, max_weight]``.
+proportional to ``mu``. Then the predicted wait discounts it, in units of the horizon over
+which the weight will hold (``H = horizon_seconds``, the telemetry interval): ``r_i = r_i /
+(1 + W_i / H)`` with ``W_i = q_i / mu_i``; ``target = max_weight * r_i / max r``, clamped to
+``[1, max_weight]``. A queue that a big GPU clears in a fraction of a tick costs it little; a
+small GPU whose queue means ten seconds loses nearly all of its share at once.
 
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
@@ -80,6 +86,11 @@ class Reading:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float | None = None
+    prompt_tokens: float | None = None  # prefill tokens alone (vllm:prompt_tokens_total)
+
+    def work(self, kind: str) -> float | None:
+        """Cumulative work: ``tokens`` (prompt + generation) or ``prompt`` (prefill only)."""
+        return self.prompt_tokens if kind == "prompt" else self.tokens
 
 
 @dataclass(frozen=True)
@@ -96,9 +107,15 @@ class QueueingPolicy:
     kv_degraded: float = 0.95
     staleness: Staleness = "saturated"
     stale_after_seconds: float = 6.0
+    split: str = "square_root"  # or "proportional" (measured worse: docs/results/weights.md)
+    utilisation: str = "saturated"  # or "kv" (see the module docstring)
+    work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
 
     def __post_init__(self) -> None:
         checks = {
+            "split": self.split in ("proportional", "square_root"),
+            "utilisation": self.utilisation in ("saturated", "kv"),
+            "work": self.work in ("tokens", "prompt"),
             "max_weight": self.max_weight >= MIN_WEIGHT,
             "horizon_seconds": 0 < self.horizon_seconds < math.inf,
             "window_seconds": 0 < self.window_seconds < math.inf,
@@ -137,10 +154,13 @@ class Rates:
     saturated_seconds: float  # time with requests waiting at both ends of an interval
 
 
-def _utilisation(a: Reading, b: Reading, floor: float) -> float | None:
-    """1 when requests waited throughout, else mean KV use; None when KV use is unknown."""
+def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv") -> float | None:
+    """1 when requests waited throughout; otherwise, in mode ``kv``, the mean KV use (None
+    when unknown), in mode ``saturated`` 0 (the interval only bounds the rate from below)."""
     if a.waiting >= 1 and b.waiting >= 1:
         return 1.0
+    if mode == "saturated":
+        return 0.0
     if a.kv_usage is None or b.kv_usage is None:
         return None
     u = (a.kv_usage + b.kv_usage) / 2.0
@@ -153,13 +173,15 @@ def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Ra
     An interval whose counters went backwards (a restart) or whose clock did not advance is
     skipped; so is one with too little utilisation to say anything about the rate."""
     start = now - policy.window_seconds
-    points = sorted((r for r in readings if start <= r.at <= now and r.tokens is not None),
+    kind = policy.work
+    points = sorted((r for r in readings if start <= r.at <= now and r.work(kind) is not None),
                     key=lambda r: r.at)
     span = work = done = busy = busy_work = saturated = 0.0
     for a, b in zip(points, points[1:], strict=False):
         dt = b.at - a.at
-        assert a.tokens is not None and b.tokens is not None
-        d_work = b.tokens - a.tokens
+        wa, wb = a.work(kind), b.work(kind)
+        assert wa is not None and wb is not None
+        d_work = wb - wa
         d_done = (b.requests_done - a.requests_done
                   if a.requests_done is not None and b.requests_done is not None else 0.0)
         if dt <= 0 or d_work < 0 or d_done < 0:
@@ -167,7 +189,7 @@ def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Ra
         span += dt
         work += d_work
         done += d_done
-        u = _utilisation(a, b, policy.min_utilisation)
+        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation)
         if u == 1.0:
             saturated += dt
         if u:
@@ -175,7 +197,9 @@ def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Ra
             busy_work += d_work
     if span <= 0:
         return Rates(None, None, 0.0, 0.0, 0.0)
-    service = busy_work / busy if busy > 0 and busy_work > 0 else None
+    # enough evidence: one horizon's worth of full-utilisation-equivalent busy time
+    enough = busy >= policy.horizon_seconds and busy_work > 0
+    service = busy_work / busy if enough else None
     return Rates(work / span, service, work, done, saturated)
 
 
@@ -236,10 +260,14 @@ def _service_rate(r: Rates, previous: EndpointWeight | None, policy: QueueingPol
     prior = prior if prior is not None and math.isfinite(prior) and prior > 0 else None
     fresh = r.service_rate
     if fresh is None:
-        return prior
-    if prior is None:
-        return fresh
-    return policy.rate_alpha * fresh + (1.0 - policy.rate_alpha) * prior
+        estimate = prior
+    elif prior is None:
+        estimate = fresh
+    else:
+        estimate = policy.rate_alpha * fresh + (1.0 - policy.rate_alpha) * prior
+    if estimate is not None and r.throughput is not None and r.throughput > estimate:
+        estimate = r.throughput  # it did this much: its rate is at least that
+    return estimate
 
 
 def _rates_per_kv(estimates: Sequence[_Estimate]) -> float | None:
@@ -259,7 +287,7 @@ def _filled(estimates: Sequence[_Estimate]) -> dict[str, float]:
         if e.service_rate is not None:
             out[e.address] = e.service_rate
         elif per_kv is not None:
-            out[e.address] = per_kv * capacity
+            out[e.address] = max(per_kv * capacity, e.rates.throughput or 0.0)
         else:
             out[e.address] = capacity  # no rate anywhere yet: relative capacity
     return out
@@ -281,7 +309,7 @@ def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
     breakdown.update({"throughput": e.rates.throughput or 0.0,
                       "saturated_seconds": e.rates.saturated_seconds,
                       "backlog": backlog, "predicted_wait_s": backlog / mu if mu > 0 else 0.0,
-                      "share": share})
+                      "target_rate": share})
     if rated:
         breakdown["service_rate"] = mu
     kv = signals.get("kv_usage")
@@ -331,7 +359,10 @@ def compute_queueing_weights(
     mu = _filled(estimates)
     lam = sum(e.rates.throughput or 0.0 for e in estimates)
     rated = any(e.service_rate is not None for e in estimates)
-    split = square_root_split(mu, lam) if rated and lam > 0 else dict(mu)
+    if policy.split == "square_root" and rated and lam > 0:
+        split = square_root_split(mu, lam)
+    else:
+        split = dict(mu)
     per_request = _work_per_request(estimates)
     endpoints: dict[str, EndpointWeight] = {}
     shares: dict[str, float] = {}
@@ -340,8 +371,8 @@ def compute_queueing_weights(
         waiting = e.assessed.signals.get("queue", 0.0)
         if rated and per_request is not None:
             backlogs[e.address] = waiting * per_request
-            spare = mu[e.address] - backlogs[e.address] / policy.horizon_seconds
-            shares[e.address] = max(0.0, min(split[e.address], spare))
+            wait = backlogs[e.address] / mu[e.address] if mu[e.address] > 0 else math.inf
+            shares[e.address] = split[e.address] / (1.0 + wait / policy.horizon_seconds)
         else:  # no work counters: the queue alone, as 1 / (1 + waiting)
             backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
             shares[e.address] = split[e.address] / (1.0 + waiting)

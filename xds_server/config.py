@@ -210,11 +210,14 @@ class QueueingConfig(_Model):
     rise_alpha: float = Field(0.5, gt=0, le=1)    # rises are smoothed, drops apply at once
     kv_degraded: float = Field(0.95, gt=0, le=1)
     staleness: Literal["saturated", "hold", "ignore"] = "saturated"
+    split: Literal["square_root", "proportional"] = "square_root"
+    utilisation: Literal["saturated", "kv"] = "saturated"
+    work: Literal["tokens", "prompt"] = "tokens"
 
 
 class WeightsConfig(_Model):
     # reference: issue 11's baseline controller, for benchmarks (weight_calculator/reference.py)
-    policy: Literal["gpu_memory", "composite", "queueing", "reference"] = "gpu_memory"
+    policy: Literal["gpu_memory", "composite", "queueing", "reference"] = "queueing"
     max_weight: int = Field(100, ge=1, le=128)
     composite: CompositeConfig = CompositeConfig()
     queueing: QueueingConfig = QueueingConfig()
@@ -373,7 +376,11 @@ class DiscoveryConfig(_Model):
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
-    lb_policy: LbPolicy = "least_request"
+    # round_robin: Envoy's weighted round robin serves the queueing weights as they are;
+    # least_request divides each weight by (active + 1) (docs/results/weights.md)
+    lb_policy: LbPolicy = "round_robin"
+    # least_request only: Envoy divides each weight by (active + 1) ** bias (default 1.0)
+    active_request_bias: float | None = Field(None, ge=0, le=100)
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     versions: dict[Literal["stable", "canary"], VersionConfig] | None = None
     rollout: RolloutConfig | None = None
@@ -416,6 +423,8 @@ class PoolConfig(_Model):
             raise ValueError("give either `endpoints` or `versions`, not both")
         elif set(self.versions) != {"stable", "canary"}:
             raise ValueError("`versions` needs both `stable` and `canary`")
+        if self.active_request_bias is not None and self.effective_lb_policy != "least_request":
+            raise ValueError("`active_request_bias` works only with least_request")
         if self.slow_start is not None and self.effective_lb_policy not in ("round_robin",
                                                                             "least_request"):
             raise ValueError("`slow_start` works only with round_robin or least_request "

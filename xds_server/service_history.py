@@ -24,7 +24,7 @@ def reading_from_signals(at: float, signals: Mapping[str, float]) -> Reading | N
     return Reading(at=at, requests_done=signals.get("requests_done"),
                    tokens=(prompt or 0.0) + (generated or 0.0),
                    running=signals.get("running", 0.0), waiting=signals.get("queue", 0.0),
-                   kv_usage=signals.get("kv_usage"))
+                   kv_usage=signals.get("kv_usage"), prompt_tokens=prompt)
 
 
 class ServiceHistory:

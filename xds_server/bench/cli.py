@@ -82,9 +82,10 @@ class BenchSettings:
     long_context_kv_factor: float = LONG_POOL_KV_FACTOR
     homogeneous: bool = False  # which targets: see fleet_is_homogeneous and --targets
     tolerance: float = report.HOMOGENEOUS_TOLERANCE
-    lb_policy: str = "least_request"
+    lb_policy: str = "round_robin"
     queueing: dict[str, Any] = field(default_factory=dict)
     auto_classes: bool = False
+    active_request_bias: float | None = None
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -169,11 +170,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the homogeneous targets' tolerance: P99 TTFT ratio <= 1 + T, "
                         f"tokens/s ratio >= 1 - T (default {report.HOMOGENEOUS_TOLERANCE:g})")
     p.add_argument("--weights", choices=["queueing", "composite", "gpu_memory"],
-                   default="composite", help="trimtab's weight policy (default composite)")
-    p.add_argument("--lb-policy", choices=["least_request", "round_robin"],
-                   default="least_request",
-                   help="trimtab's lb_policy (default least_request; the reference always "
-                        "runs least_request)")
+                   default="queueing", help="trimtab's weight policy (default queueing, "
+                                            "trimtab's default)")
+    p.add_argument("--lb-policy", choices=["round_robin", "least_request"],
+                   default="round_robin",
+                   help="trimtab's lb_policy (default round_robin, trimtab's default; the "
+                        "reference always runs least_request)")
+    p.add_argument("--active-request-bias", type=float, metavar="B",
+                   help="trimtab with --lb-policy least_request: Envoy's active_request_bias "
+                        "(weight / (active + 1) ** B; Envoy's default 1)")
     p.add_argument("--queueing", type=_overrides, default={},
                    help="override trimtab's queueing knobs, e.g. deadband=0.2")
     p.add_argument("--interval", type=_positive, default=2.0,
@@ -225,7 +230,7 @@ def settings_from(args: argparse.Namespace, w: Workload,
         long_context_tokens=args.long_context_tokens,
         long_context_kv_factor=args.long_context_kv_factor,
         lb_policy=args.lb_policy, queueing=dict(args.queueing),
-        auto_classes=args.auto_classes,
+        auto_classes=args.auto_classes, active_request_bias=args.active_request_bias,
         homogeneous=(args.targets == "homogeneous" if args.targets != "auto"
                      else spec is not None and fleet_is_homogeneous(spec)),
         tolerance=args.tolerance)
@@ -280,6 +285,7 @@ def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> Load
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
                         composite=s.composite, lb_policy=s.lb_policy, queueing=s.queueing,
+                        active_request_bias=s.active_request_bias,
                         long_context="auto" if s.auto_classes else long_context_for(
                             fleet, w, s.long_context_tokens, s.long_context_kv_factor))
     try:
@@ -330,6 +336,7 @@ def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
                         "interval_seconds": s.interval, "composite": s.composite,
                         "long_context_tokens": s.long_context_tokens,
                         "auto_classes": s.auto_classes,
+                        "active_request_bias": s.active_request_bias,
                         "long_context_kv_factor": s.long_context_kv_factor},
             "reference": {"lb_policy": reference.LB_POLICY, "weights": reference.WEIGHTS,
                           "interval_seconds": reference.INTERVAL_S}}

@@ -165,9 +165,12 @@ LONG_POOL = f"{CLUSTER}-long"
 
 
 def _pools(model: str, addresses: Sequence[str], long_context: LongContext | str | None,
-           lb_policy: str = "least_request") -> list[dict[str, Any]]:
+           lb_policy: str = "round_robin", bias: float | None = None
+           ) -> list[dict[str, Any]]:
     main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
+    if bias is not None:
+        main["active_request_bias"] = bias
     if long_context == "auto":  # classes derived from the servers' KV capacities
         main["long_context"] = "auto"
         return [main]
@@ -182,11 +185,12 @@ def _pools(model: str, addresses: Sequence[str], long_context: LongContext | str
 
 
 def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin_port: int,
-                   listener_port: int, weights: str = "composite", interval: float = 2.0,
+                   listener_port: int, weights: str = "queueing", interval: float = 2.0,
                    composite: Mapping[str, Any] | None = None,
                    long_context: LongContext | str | None = None,
-                   lb_policy: str = "least_request",
-                   queueing: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                   lb_policy: str = "round_robin",
+                   queueing: Mapping[str, Any] | None = None,
+                   active_request_bias: float | None = None) -> dict[str, Any]:
     """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
@@ -206,5 +210,5 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
         "listener": {"address": f"127.0.0.1:{listener_port}"},
         "telemetry": {"interval_seconds": interval, "stale_after_seconds": 3 * interval},
         "weights": weights_section,
-        "pools": _pools(model, addresses, long_context, lb_policy),
+        "pools": _pools(model, addresses, long_context, lb_policy, active_request_bias),
     }
