@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import (
     previous_priorities_config_pb2 as previous_priorities,

@@ -35,11 +35,11 @@ from .resources import (
 )
 from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
+from .service_history import ServiceHistory
 from .slo import SloTracker, split_signals
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
 from .sources import TelemetrySource, build_sources
 from .telemetry import Scraper, ScrapeResult, TelemetryStore
-from .service_history import ServiceHistory
 from .weighing import LatencyWindow, cluster_weights
 
 log = logging.getLogger("trimtab.controller")

@@ -352,8 +352,9 @@ def test_a_server_may_override_the_fleets_efficiency_and_defaults_do_not_change(
     h, low = expand(spec)
     assert h.efficiency.mfu == 0.08 and h.efficiency.step_overhead_s == 0.001  # merged
     assert low.efficiency == Efficiency(step_overhead_s=0.001)  # the fleet's
-    prefill = expand(parse_fleet(__import__("yaml").safe_load(
-        open("examples/fleet-hetero-prefill-heavy.yaml").read())))
+    from xds_server.sim.fleet import load_fleet
+
+    prefill = expand(load_fleet("examples/fleet-hetero-prefill-heavy.yaml"))
     per_token = {c.gpu.name: 2 * c.model.params / (c.gpu.peak_flops * c.efficiency.mfu)
                  for c in prefill}
     h100 = next(v for k, v in per_token.items() if k.startswith("H100"))
