@@ -33,8 +33,9 @@ def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_
 
 
 def inp(kv: float = 0.5, queue: float = 0.0, capacity: float = 100_000.0,
-        at: float = NOW - 0.5) -> EndpointInput:
-    return EndpointInput(Signals(kv_usage=kv, queue=queue, running=4.0, capacity=capacity), at)
+        at: float = NOW - 0.5, running: float = 0.0) -> EndpointInput:
+    return EndpointInput(Signals(kv_usage=kv, queue=queue, running=running,
+                                 capacity=capacity), at)
 
 
 # --- rates ------------------------------------------------------------------------------------
@@ -236,3 +237,23 @@ def test_the_proportional_split_is_available_by_name() -> None:
     assert {a: e.weight for a, e in w.endpoints.items()} == {"a": 100, "b": 25}  # 8000 : 2000
     with pytest.raises(ValueError, match="split"):
         QueueingPolicy(split="magic")
+
+
+def test_in_flight_work_counts_half_a_request_each() -> None:
+    """Round robin does not see active requests: an endpoint that piles up running requests
+    must lose share before its KV cache fills (seen: 217 running at 99.5 % KV)."""
+    readings = {"a": history(4000.0, kv=0.5), "b": history(4000.0, kv=0.5)}
+    even = compute_queueing_weights({"a": inp(running=20.0), "b": inp(running=20.0)},
+                                    readings, KV, NOW, None)
+    assert even.endpoints["a"].weight == even.endpoints["b"].weight == 100
+    piled = compute_queueing_weights({"a": inp(running=200.0), "b": inp(running=20.0)},
+                                     readings, KV, NOW, None)
+    a, b = piled.endpoints["a"], piled.endpoints["b"]
+    per_request = 8000.0 / 2.0  # tokens per finished request over the window
+    assert a.breakdown["backlog"] == pytest.approx(0.5 * 200.0 * per_request)
+    assert a.breakdown["predicted_wait_s"] == pytest.approx(0.5 * 200.0 * per_request / 8000.0)
+    assert b.weight == 100 and a.weight < b.weight / 4
+    none = compute_queueing_weights({"a": inp(running=200.0), "b": inp(running=20.0)},
+                                    readings, QueueingPolicy(utilisation="kv",
+                                                             in_flight_share=0.0), NOW, None)
+    assert none.endpoints["a"].weight == 100  # counting queued work only

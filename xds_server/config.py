@@ -213,6 +213,7 @@ class QueueingConfig(_Model):
     split: Literal["square_root", "proportional"] = "square_root"
     utilisation: Literal["saturated", "kv"] = "saturated"
     work: Literal["tokens", "prompt"] = "tokens"
+    in_flight_share: float = Field(0.5, ge=0, le=1)  # a running request's remaining work
 
 
 class WeightsConfig(_Model):
