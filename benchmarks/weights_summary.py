@@ -19,7 +19,11 @@ from typing import Any
 
 # scenario -> (directory of the baselines, {variant label: directory of a trimtab-only run})
 SCENARIOS: dict[str, tuple[str, dict[str, str]]] = {
-    "hetero": ("hetero", {"trimtab+auto-classes": "hetero-auto",
+    # "trimtab" from hetero-rr replaces the base run's row where it exists (seed 42: the base
+    # run's trimtab predates counting in-flight work), and "reference" from hetero-ref (seed
+    # 42: the base run's reference ran with the simulator lagging 661 ms); see weights.md
+    "hetero": ("hetero", {"trimtab": "hetero-rr", "reference": "hetero-ref",
+                          "trimtab+auto-classes": "hetero-auto",
                           "trimtab+least_request": "hetero-lr"}),
     "homogeneous": ("homogeneous", {}),
     "chat-only": ("chat", {}),
@@ -55,9 +59,10 @@ def scenario(root: Path, base_dir: str, variants: dict[str, str]) -> dict[str, A
                 for p, m in doc["comparison"]["metrics"].items()}
         for label, vdir in variants.items():
             vdoc = _load(root / vdir / seed_dir.name / "bench.json")
-            if vdoc is not None and "trimtab" in vdoc["policies"]:
-                rows[label] = _row(label, vdoc["policies"]["trimtab"],
-                                   vdoc["comparison"]["metrics"]["trimtab"])
+            source = label if label in ("trimtab", "reference") else "trimtab"
+            if vdoc is not None and source in vdoc["policies"]:
+                rows[label] = _row(label, vdoc["policies"][source],
+                                   vdoc["comparison"]["metrics"][source])
         base = {p: rows.get(p) for p in ("least_request", "reference", "cswrr_orca")}
         for row in rows.values():
             for name, b in base.items():

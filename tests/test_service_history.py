@@ -80,3 +80,10 @@ def test_a_config_naming_neither_gets_queueing_weights_and_round_robin() -> None
     # same KV capacity, but the slow one was measured at 1000 tokens/s while queueing
     assert slow.breakdown["service_rate"] == 1000.0
     assert fast.weight == 100 and slow.weight < 10
+
+
+def test_a_standby_endpoint_is_draining_in_eds() -> None:
+    from xds_server.controller import _eds_health
+
+    assert _eds_health("STANDBY") == "DRAINING"
+    assert _eds_health("DEGRADED") == "DEGRADED" and _eds_health("STALE") == "HEALTHY"

@@ -114,7 +114,11 @@ def test_weights_follow_the_measured_service_rate_not_the_kv_capacity() -> None:
     per_request = (6000.0 + 300.0) / 5.25
     assert low.breakdown["backlog"] == pytest.approx(6 * per_request)
     assert low.breakdown["predicted_wait_s"] == pytest.approx(6 * per_request / 300.0)
-    assert "predicted wait" in low.reason
+    assert low.health == "STANDBY" and "standby" in low.reason  # the split leaves it out
+    kept = compute_queueing_weights(inputs, readings, QueueingPolicy(utilisation="kv",
+                                                                     standby=False), NOW, None)
+    assert kept.endpoints["l"].health == "HEALTHY" and kept.endpoints["l"].weight == 1
+    assert "predicted wait" in kept.endpoints["l"].reason
 
 
 def test_without_counters_weights_are_capacity_over_queue() -> None:
@@ -257,3 +261,18 @@ def test_in_flight_work_counts_half_a_request_each() -> None:
                                     readings, QueueingPolicy(utilisation="kv",
                                                              in_flight_share=0.0), NOW, None)
     assert none.endpoints["a"].weight == 100  # counting queued work only
+
+
+def test_standby_never_takes_more_than_half_the_pool() -> None:
+    inputs = {"h": inp(kv=0.5, capacity=400_000.0), "s1": inp(kv=0.5, capacity=10_000.0),
+              "s2": inp(kv=0.5, capacity=10_000.0)}
+    readings = {"h": history(2000.0, kv=0.5), "s1": history(50.0, kv=0.5),
+                "s2": history(50.0, kv=0.5)}
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    # the split leaves both small ones out, but two of three would be most of the pool
+    assert {e.health for e in w.endpoints.values()} == {"HEALTHY"}
+    inputs["h2"] = inp(kv=0.5, capacity=400_000.0)
+    readings["h2"] = history(2000.0, kv=0.5)
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    assert [a for a, e in w.endpoints.items() if e.health == "STANDBY"] == ["s1", "s2"]
+    assert all(e.weight == 1 for a, e in w.endpoints.items() if a.startswith("s"))

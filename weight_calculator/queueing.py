@@ -46,6 +46,14 @@ which the weight will hold (``H = horizon_seconds``, the telemetry interval): ``
 ``[1, max_weight]``. A queue that a big GPU clears in a fraction of a tick costs it little; a
 small GPU whose queue means ten seconds loses nearly all of its share at once.
 
+An endpoint the square-root split leaves out (``r_i = 0``: the others serve this load with
+shorter waits) is put on **standby**: health ``STANDBY``, sent to Envoy as ``DRAINING``, so it
+gets no new requests rather than the 1 % that the weight floor of 1 would still send it (on
+the mixed workload that 1 % sent an L4 a 32k-token prompt every few minutes, and the chats
+queued behind it were a third of the slowest 3 %). It is back in service at the next tick
+the split includes it; never more than half of a pool is on standby (below that Envoy's
+panic threshold would ignore health anyway). ``standby: false`` keeps weight 1 instead.
+
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
 applies at once (an overloaded endpoint loses its traffic within one tick); a rise moves
@@ -116,6 +124,7 @@ class QueueingPolicy:
     utilisation: str = "saturated"  # or "kv" (see the module docstring)
     work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
     in_flight_share: float = 0.5  # a running request's remaining work, in mean requests
+    standby: bool = True  # endpoints the split leaves out get no new requests (EDS DRAINING)
 
     def __post_init__(self) -> None:
         checks = {
@@ -306,9 +315,12 @@ def _work_per_request(estimates: Sequence[_Estimate]) -> float | None:
     return work / done if done > 0 and work > 0 else None
 
 
+STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (no new requests)
+
+
 def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
-              previous: EndpointWeight | None, rated: bool, policy: QueueingPolicy
-              ) -> EndpointWeight:
+              previous: EndpointWeight | None, rated: bool, policy: QueueingPolicy,
+              standby: bool = False) -> EndpointWeight:
     a = e.assessed
     signals = a.signals
     waiting = signals.get("queue", 0.0)
@@ -323,6 +335,11 @@ def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
     if kv is not None and kv >= policy.kv_degraded:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (
             f"degraded: kv_usage {kv:g} >= {policy.kv_degraded:g}")
+        breakdown["target_weight"] = float(MIN_WEIGHT)
+    elif standby:
+        weight, health = MIN_WEIGHT, STANDBY
+        reason = (f"{a.reason}; standby: the square-root split gives it no share at this load "
+                  f"(its rate {mu:.0f} tokens/s)")
         breakdown["target_weight"] = float(MIN_WEIGHT)
     else:
         target = _clamp(round(policy.max_weight * share / top), policy) if top > 0 else (
@@ -366,10 +383,8 @@ def compute_queueing_weights(
     mu = _filled(estimates)
     lam = sum(e.rates.throughput or 0.0 for e in estimates)
     rated = any(e.service_rate is not None for e in estimates)
-    if policy.split == "square_root" and rated and lam > 0:
-        split = square_root_split(mu, lam)
-    else:
-        split = dict(mu)
+    split_applied = policy.split == "square_root" and rated and lam > 0
+    split = square_root_split(mu, lam) if split_applied else dict(mu)
     per_request = _work_per_request(estimates)
     endpoints: dict[str, EndpointWeight] = {}
     shares: dict[str, float] = {}
@@ -388,10 +403,14 @@ def compute_queueing_weights(
     top = max(shares.values(), default=0.0)
     if top <= 0:  # every endpoint backlogged beyond its share: fall back to the rates
         shares, top = dict(mu), max(mu.values(), default=0.0)
+    idle = {a for a, r in split.items() if r <= 0} if split_applied else set()
+    if len(idle) * 2 > len(estimates):  # keep most of the pool in service (Envoy's panic
+        idle = set()                    # threshold would ignore health below 50 % anyway)
     for e in estimates:
         endpoints[e.address] = _endpoint(e, mu[e.address], shares[e.address], top,
                                          backlogs[e.address], held.get(e.address),
-                                         e.service_rate is not None, policy)
+                                         e.service_rate is not None, policy,
+                                         policy.standby and e.address in idle)
     if len(endpoints) == len(assessed):
         return PoolWeights(endpoints=endpoints, fail_static=False)
     neutral = statistics.median_low([ew.weight for ew in endpoints.values()])

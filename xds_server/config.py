@@ -214,6 +214,7 @@ class QueueingConfig(_Model):
     utilisation: Literal["saturated", "kv"] = "saturated"
     work: Literal["tokens", "prompt"] = "tokens"
     in_flight_share: float = Field(0.5, ge=0, le=1)  # a running request's remaining work
+    standby: bool = True  # endpoints the split leaves out: EDS DRAINING (no new requests)
 
 
 class WeightsConfig(_Model):

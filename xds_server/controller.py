@@ -17,6 +17,7 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
+from weight_calculator.queueing import STANDBY
 from weight_calculator.types import PoolWeights
 
 from . import metrics, type_urls
@@ -27,6 +28,7 @@ from .cache import SnapshotCache
 from .config import Config, EndpointConfig
 from .resources import (
     DEGRADED,
+    DRAINING,
     HEALTHY,
     EndpointSetting,
     build_cluster,
@@ -316,7 +318,10 @@ def needs_slo(config: Config) -> bool:
 
 
 def _eds_health(health: str) -> str:
-    """Only DEGRADED reaches EDS; stale or invalid telemetry is expressed through weight."""
+    """DEGRADED reaches EDS as DEGRADED, the queueing policy's STANDBY as DRAINING (no new
+    requests); stale or invalid telemetry is expressed through weight."""
+    if health == STANDBY:
+        return DRAINING
     return DEGRADED if health == DEGRADED else HEALTHY
 
 
