@@ -24,6 +24,7 @@ SCENARIOS: dict[str, tuple[str, dict[str, str]]] = {
     # 42: the base run's reference ran with the simulator lagging 661 ms); see weights.md
     "hetero": ("hetero", {"trimtab": "hetero-rr", "reference": "hetero-ref",
                           "trimtab+auto-classes": "hetero-auto",
+                          "trimtab (no standby)": "hetero-rr-nostandby",
                           "trimtab+least_request": "hetero-lr"}),
     "homogeneous": ("homogeneous", {}),
     "chat-only": ("chat", {}),
