@@ -455,7 +455,7 @@ def write_png(report: Mapping[str, Any], ttfts: Mapping[str, Sequence[float]],
         _plot_policy_inflight(row[1], report, policy)
     fig.suptitle(f"{report['config']['fleet']} x {report['config']['workload']}, seed "
                  f"{report['seed']}, {report['config']['rate']:g} req/s")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # leave the suptitle its own line
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
