@@ -140,7 +140,7 @@ def test_clusters_follow_the_configured_lb_policy_and_merge_window():
     scraper.pct = {"10.0.0.1:80": 1.0, "10.0.0.2:80": 1.0, "10.0.1.1:80": 1.0}
     asyncio.run(controller.tick())
     c = cache.snapshot.of_type(T.CLUSTER)["p"].message
-    assert c.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN  # the default since issue 11
+    assert c.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     assert c.common_lb_config.update_merge_window.ToMilliseconds() == 0
     cla = cache.snapshot.of_type(T.ENDPOINT)["p"].message
     assert cla.endpoints[0].load_balancing_weight.value >= 1

@@ -62,11 +62,11 @@ class CounterScraper:
         pass
 
 
-def test_a_config_naming_neither_gets_queueing_weights_and_round_robin() -> None:
+def test_a_config_naming_neither_gets_queueing_weights_and_least_request() -> None:
     config = parse_config({"telemetry": {"interval_seconds": 2, "stale_after_seconds": 6},
                            "pools": [{"name": "p", "model": "m", "endpoints": [
                                {"address": "10.0.0.1:80"}, {"address": "10.0.0.2:80"}]}]})
-    assert config.weights.policy == "queueing" and config.pools[0].lb_policy == "round_robin"
+    assert config.weights.policy == "queueing" and config.pools[0].lb_policy == "least_request"
     clock = [1000.0]
     cache = SnapshotCache()
     controller = Controller(config, cache, scraper=CounterScraper(), clock=lambda: clock[0])
@@ -74,7 +74,7 @@ def test_a_config_naming_neither_gets_queueing_weights_and_round_robin() -> None
         asyncio.run(controller.tick())
         clock[0] += 2.0
     cluster = cache.snapshot.of_type(T.CLUSTER)["p"].message
-    assert cluster.lb_policy == cluster_pb2.Cluster.ROUND_ROBIN
+    assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     weights = controller.weights["p"].endpoints
     fast, slow = weights["10.0.0.1:80"], weights["10.0.0.2:80"]
     # same KV capacity, but the slow one was measured at 1000 tokens/s while queueing

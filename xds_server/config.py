@@ -378,9 +378,8 @@ class DiscoveryConfig(_Model):
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
-    # round_robin: Envoy's weighted round robin serves the queueing weights as they are;
-    # least_request divides each weight by (active + 1) (docs/results/weights.md)
-    lb_policy: LbPolicy = "round_robin"
+    # least_request on the queueing weights measured best (docs/results/weights.md)
+    lb_policy: LbPolicy = "least_request"
     # least_request only: Envoy divides each weight by (active + 1) ** bias (default 1.0)
     active_request_bias: float | None = Field(None, ge=0, le=100)
     endpoints: list[EndpointConfig] = Field(default_factory=list)

@@ -82,7 +82,7 @@ class BenchSettings:
     long_context_kv_factor: float = LONG_POOL_KV_FACTOR
     homogeneous: bool = False  # which targets: see fleet_is_homogeneous and --targets
     tolerance: float = report.HOMOGENEOUS_TOLERANCE
-    lb_policy: str = "round_robin"
+    lb_policy: str = "least_request"
     queueing: dict[str, Any] = field(default_factory=dict)
     auto_classes: bool = False
     active_request_bias: float | None = None
@@ -172,9 +172,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--weights", choices=["queueing", "composite", "gpu_memory"],
                    default="queueing", help="trimtab's weight policy (default queueing, "
                                             "trimtab's default)")
-    p.add_argument("--lb-policy", choices=["round_robin", "least_request"],
-                   default="round_robin",
-                   help="trimtab's lb_policy (default round_robin, trimtab's default; the "
+    p.add_argument("--lb-policy", choices=["least_request", "round_robin"],
+                   default="least_request",
+                   help="trimtab's lb_policy (default least_request, trimtab's default; the "
                         "reference always runs least_request)")
     p.add_argument("--active-request-bias", type=float, metavar="B",
                    help="trimtab with --lb-policy least_request: Envoy's active_request_bias "

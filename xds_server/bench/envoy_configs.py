@@ -165,7 +165,7 @@ LONG_POOL = f"{CLUSTER}-long"
 
 
 def _pools(model: str, addresses: Sequence[str], long_context: LongContext | str | None,
-           lb_policy: str = "round_robin", bias: float | None = None
+           lb_policy: str = "least_request", bias: float | None = None
            ) -> list[dict[str, Any]]:
     main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
@@ -188,7 +188,7 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
                    listener_port: int, weights: str = "queueing", interval: float = 2.0,
                    composite: Mapping[str, Any] | None = None,
                    long_context: LongContext | str | None = None,
-                   lb_policy: str = "round_robin",
+                   lb_policy: str = "least_request",
                    queueing: Mapping[str, Any] | None = None,
                    active_request_bias: float | None = None) -> dict[str, Any]:
     """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.

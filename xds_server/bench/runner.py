@@ -243,7 +243,7 @@ class PolicyStack:
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
                  composite: dict[str, Any] | None = None,
                  long_context: envoy_configs.LongContext | str | None = None,
-                 lb_policy: str = "round_robin", queueing: dict[str, Any] | None = None,
+                 lb_policy: str = "least_request", queueing: dict[str, Any] | None = None,
                  active_request_bias: float | None = None) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
