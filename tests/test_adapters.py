@@ -361,3 +361,18 @@ def test_histogram_history_keeps_a_bounded_window() -> None:
     assert history.mean(("a", "itl"), now=4.0) is None
     with pytest.raises(ValueError):
         HistogramHistory(window_s=0.0)
+
+
+def test_vllm_work_counters_are_read_for_the_queueing_policy() -> None:
+    text = (gauge("vllm:num_requests_waiting", "2")
+            + "# TYPE vllm:prompt_tokens counter\nvllm:prompt_tokens_total{engine=\"0\"} 1200\n"
+            + "vllm:prompt_tokens_total{engine=\"1\"} 300\n"
+            + "# TYPE vllm:generation_tokens counter\nvllm:generation_tokens_total 450\n"
+            + "# TYPE vllm:request_success counter\n"
+            + "vllm:request_success_total{finished_reason=\"length\"} 3\n"
+            + "vllm:request_success_total{finished_reason=\"stop\"} 4\n")
+    signals = parse_page(text).signals()
+    assert signals["prompt_tokens"] == 1500.0  # summed over series
+    assert signals["generation_tokens"] == 450.0
+    assert signals["requests_done"] == 7.0  # every finished_reason
+    assert signals["queue"] == 2.0

@@ -167,7 +167,7 @@ def test_a_tiny_run_produces_a_table_json_and_png_for_every_policy(tmp_path: Pat
     # the reference controller's weights (capacity x (1 - KV use)) reached Envoy
     ref = doc["policies"]["reference"]["envoy_weights"]
     assert ref["h100"][-1][1] > ref["l4"][-1][1] > 1, ref
-    assert doc["config"]["reference"]["composite"]["memory_mix"] == 1.0
+    assert doc["config"]["reference"]["weights"] == "reference"
     assert doc["comparison"]["target_set"] == "heterogeneous"
     peaks = [e["sim"]["in_flight_peak"] for e in doc["policies"].values()]
     assert None not in peaks and max(peaks) > 0, peaks
@@ -346,9 +346,10 @@ def test_seeds_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert bench_main(["--report-only", "--out", str(tmp_path / "other" / "none")]) == 2
 
 
-def test_the_reference_policy_is_exactly_capacity_times_kv_headroom() -> None:
-    """trimtab serve with reference.COMPOSITE computes reference_weights on any inputs,
-    whatever the previous weights (no EWMA, no deadband) and the other signals."""
+def test_the_reference_policy_is_exactly_the_issues_formula() -> None:
+    """trimtab serve with weights.policy reference computes reference_weights
+    (100 cap_norm (1 - kv) / (1 + waiting)) on any inputs, whatever the previous weights (no
+    EWMA, no deadband) and the other signals."""
     import itertools
 
     from weight_calculator.types import Observation, Sample
@@ -360,7 +361,7 @@ def test_the_reference_policy_is_exactly_capacity_times_kv_headroom() -> None:
     caps = {"127.0.0.1:1": 453776.0, "127.0.0.1:2": 167184.0, "127.0.0.1:3": 38128.0}
     config = parse_config(trimtab_config(model="m", addresses=list(caps), xds_port=1,
                                          admin_port=2, listener_port=3,
-                                         composite=reference.COMPOSITE))
+                                         weights=reference.WEIGHTS))
     pool = config.pools[0]
     kvs = (0.0, 0.004, 0.3, 0.5, 0.949, 0.95, 0.995, 1.0)
     previous, now, checked = None, 1000.0, 0
@@ -374,8 +375,34 @@ def test_the_reference_policy_is_exactly_capacity_times_kv_headroom() -> None:
         got = cluster_weights(config, pool, pool.endpoints, obs, LatencyWindow(30.0), now,
                               previous)
         assert {a: e.weight for a, e in got.endpoints.items()} == \
-            reference.reference_weights(kv_by, caps), (kv_by, queue, itl)
+            reference.reference_weights(kv_by, caps, dict.fromkeys(caps, queue)), \
+            (kv_by, queue, itl)
         previous, checked = got, checked + 1
     assert checked == 48
     assert reference.reference_weights({"a": 0.5, "b": 0.0}, {"a": 100.0, "b": 10.0}) == \
         {"a": 50, "b": 10}
+    assert reference.reference_weights({"a": 0.5, "b": 0.0}, {"a": 100.0, "b": 10.0},
+                                       {"a": 4.0, "b": 0.0}) == {"a": 10, "b": 10}
+
+
+def test_inflight_series_and_the_per_policy_plot(tmp_path: Path) -> None:
+    """bench.png gets one row per policy: Envoy's weight per host and each server's
+    running + waiting over time (the simulator's samples)."""
+    from xds_server.bench.report import inflight_series, write_png
+
+    samples = [(float(t), {"servers": {"h100": {"running": t, "waiting": 0, "kv_usage": 0.1},
+                                       "l4": {"running": 2, "waiting": t % 3,
+                                              "kv_usage": 0.5}}}) for t in range(0, 20, 2)]
+    series = inflight_series(samples)
+    assert series["h100"][3] == [6.0, 6] and series["l4"][2] == [4.0, 3]
+    entry = {"summary": {"per_server": {"h100": {"count": 9}, "l4": {"count": 1}}},
+             "envoy_weights": {"h100": [[0.0, 100], [10.0, 90]], "l4": [[0.0, 8], [10.0, 1]]},
+             "inflight": series}
+    doc = {"config": {"fleet": "f", "workload": "w", "rate": 1.0, "warmup": 2.0}, "seed": 1,
+           "policies": {"least_request": entry, "trimtab": entry}}
+    path = tmp_path / "bench.png"
+    assert write_png(doc, {"least_request": [0.1, 0.2], "trimtab": [0.1]}, path)
+    from PIL import Image  # matplotlib depends on Pillow
+
+    width, height = Image.open(path).size
+    assert height > width * 0.5  # three rows of panels, not the old single row

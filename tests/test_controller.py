@@ -25,6 +25,7 @@ from xds_server.telemetry import ScrapeResult, too_many_series
 
 CONFIG = parse_config({
     "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
+    "weights": {"policy": "gpu_memory"},  # these tests check the seed's formula end to end
     "pools": [
         {"name": "p", "model": "m", "endpoints": [{"address": "10.0.0.1:80"},
                                                    {"address": "10.0.0.2:80"}]},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.retry.priority.previous_priorities.v3 import (
     previous_priorities_config_pb2 as previous_priorities,
@@ -47,3 +48,23 @@ def test_retries_of_a_pool_with_fallback_skip_priorities_already_tried() -> None
     assert priority.typed_config.Unpack(unpacked) and unpacked.update_frequency == 1
     assert not _route(config, "body:small").retry_policy.HasField("retry_priority")
     assert not _route(_config(), "body:big").retry_policy.HasField("retry_priority")
+
+
+def test_active_request_bias_reaches_the_least_request_config() -> None:
+    from xds_server.config import ConfigError, parse_config
+    from xds_server.resources import build_cluster
+
+    config = parse_config({"pools": [{"name": "p", "model": "m", "active_request_bias": 0.0,
+                                      "lb_policy": "least_request",
+                                      "endpoints": [{"address": "10.0.0.1:80"}]}]})
+    cluster = build_cluster(config.pools[0], "p")
+    assert cluster.least_request_lb_config.HasField("active_request_bias")
+    assert cluster.least_request_lb_config.active_request_bias.default_value == 0.0
+    plain = parse_config({"pools": [{"name": "p", "model": "m", "lb_policy": "least_request",
+                                     "endpoints": [{"address": "10.0.0.1:80"}]}]})
+    assert not build_cluster(plain.pools[0], "p").least_request_lb_config.HasField(
+        "active_request_bias")
+    with pytest.raises(ConfigError, match="active_request_bias"):
+        parse_config({"pools": [{"name": "p", "model": "m", "lb_policy": "round_robin",
+                                 "active_request_bias": 0.0,
+                                 "endpoints": [{"address": "10.0.0.1:80"}]}]})

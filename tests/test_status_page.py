@@ -43,6 +43,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 
 CONFIG = parse_config({
     "telemetry": {"interval_seconds": 2, "stale_after_seconds": 6},
+    "weights": {"policy": "gpu_memory"},  # the seed's formula: weights follow gpu_mem_pct
     "pools": [
         {"name": "llama", "model": "meta-llama/Llama-3.1-8B-Instruct", "endpoints": [
             {"address": "10.0.0.1:80"}, {"address": "10.0.0.2:80"}, {"address": "10.0.0.3:80"}]},

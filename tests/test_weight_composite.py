@@ -306,6 +306,15 @@ def test_deadband_and_ewma(previous: int, alpha: float, expected: int) -> None:
     assert got == {"a:1": expected}
 
 
+def test_the_deadband_is_relative_for_small_weights() -> None:
+    """An absolute band of 3 froze an L4 at weight 6 (issue 11): the band is at most 10 % of
+    the previous weight, so a target of 4 moves it (the old code kept 6)."""
+    inputs = {"a:1": fresh(Signals(kv_usage=0.96))}
+    policy = dataclasses.replace(POLICY, kv_degraded=1.0)
+    # target round(100 * 0.04) = 4: |4 - 6| = 2 < 3 but not < 0.6 -> EWMA to 5
+    assert weights(inputs, policy, held(a_1=6)) == {"a:1": 5}
+
+
 def test_ewma_converges_to_within_the_deadband() -> None:
     previous: PoolWeights | None = held(a_1=1)
     inputs = {"a:1": fresh(Signals(kv_usage=0.2))}  # target 80
@@ -547,7 +556,7 @@ def _ref_weights(
         target, before = clamp(_ref_target(signals, relative, policy)), prior.get(a)
         if before is None:
             weight = target
-        elif abs(target - before) < policy.deadband:
+        elif abs(target - before) < min(policy.deadband, 0.1 * before):
             weight = clamp(before)
         else:
             weight = clamp(round(policy.ewma_alpha * target + (1 - policy.ewma_alpha) * before))

@@ -16,7 +16,7 @@ Per endpoint (all inputs optional)::
 backlog signal; running requests are already reflected in KV use and latency).
 
 Then, against the previous weight of the same endpoint: a deadband (``|target - previous|
-< deadband`` keeps the previous weight) and an EWMA (``alpha * target + (1 - alpha) *
+< min(deadband, 0.1 * previous)`` keeps the previous weight) and an EWMA (``alpha * target + (1 - alpha) *
 previous``, rounded). Hard limits (``kv_usage >= kv_degraded`` or ``queue >= queue_cap``)
 mark the endpoint DEGRADED and give weight 1 at once, bypassing deadband and EWMA.
 
@@ -371,11 +371,16 @@ def _clamp(weight: float, policy: CompositePolicy) -> int:
     return int(capped if capped > MIN_WEIGHT else MIN_WEIGHT)
 
 
+RELATIVE_DEADBAND = 0.10  # the band never exceeds this share of the previous weight
+
+
 def _smooth(target: int, previous: int | None, policy: CompositePolicy) -> int:
-    """Deadband on the target, then EWMA towards it."""
+    """Deadband on the target, then EWMA towards it. The band is ``deadband`` weight units,
+    but at most :data:`RELATIVE_DEADBAND` of the previous weight: a small endpoint's weight
+    (an L4 at 6) can still move by one (issue 11)."""
     if previous is None:
         return target
-    if abs(target - previous) < policy.deadband:
+    if abs(target - previous) < min(policy.deadband, RELATIVE_DEADBAND * previous):
         return _clamp(previous, policy)
     blended = policy.ewma_alpha * target + (1.0 - policy.ewma_alpha) * previous
     return _clamp(round(blended), policy)

@@ -11,7 +11,13 @@
 ``gpu_util_pct``       DCGM GPU utilisation, 0..100 (same GPU selection)
 ``kv_capacity_tokens`` KV-cache size in tokens (summed over model series)
 ``itl_ms``             inter-token latency, only where a server exports it as a gauge
+``requests_done``      vLLM: finished requests, cumulative (``vllm:request_success_total``)
+``prompt_tokens``      vLLM: prefill tokens computed, cumulative (``vllm:prompt_tokens_total``)
+``generation_tokens``  vLLM: tokens generated, cumulative (``vllm:generation_tokens_total``)
 =====================  ==================================================================
+
+The three counters feed the ``queueing`` weight policy's service-rate estimate (their deltas
+between reads); a counter that went backwards (a restart) is handled there.
 
 Latency histograms are kept raw (:class:`HistogramState`, cumulative ``sum``/``count``) under
 ``histograms["itl"]`` and ``histograms["ttft"]``; turn successive states into a mean with
@@ -71,6 +77,9 @@ class PageReading:
     gpu_util_pct: float | None = None
     kv_capacity_tokens: float | None = None
     itl_ms: float | None = None
+    requests_done: float | None = None
+    prompt_tokens: float | None = None
+    generation_tokens: float | None = None
     histograms: Mapping[str, HistogramState] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     has_dcgm: bool = False
@@ -88,6 +97,7 @@ class PageReading:
         return out
 
 
+_COUNTERS = frozenset({"requests_done", "prompt_tokens", "generation_tokens"})  # not load
 _GAUGES = (
     "queue",
     "running",
@@ -96,6 +106,9 @@ _GAUGES = (
     "gpu_util_pct",
     "kv_capacity_tokens",
     "itl_ms",
+    "requests_done",
+    "prompt_tokens",
+    "generation_tokens",
 )
 
 
@@ -123,6 +136,9 @@ SIGNAL_BOUNDS: Mapping[str, tuple[float, float]] = {
     "kv_capacity_tokens": (1.0, math.inf),
     "capacity": (1.0, math.inf),
     "itl_ms": (0.0, math.inf),
+    "requests_done": (0.0, math.inf),
+    "prompt_tokens": (0.0, math.inf),
+    "generation_tokens": (0.0, math.inf),
 }
 _ANY = (-math.inf, math.inf)
 _COUNTER = (0.0, math.inf)
@@ -285,6 +301,11 @@ def _vllm(r: _Reader) -> Extracted:
             "kv_usage", ["vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"], max, (0, 1)
         ),
         "kv_capacity_tokens": _vllm_capacity(r),
+        # counters: the parser names a counter's sample ``<name>_total``
+        "requests_done": r.gauge("requests_done", ["vllm:request_success_total"], _fsum),
+        "prompt_tokens": r.gauge("prompt_tokens", ["vllm:prompt_tokens_total"], _fsum),
+        "generation_tokens": r.gauge("generation_tokens", ["vllm:generation_tokens_total"],
+                                     _fsum),
     }
     itl = ["vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"]
     return fields, _histograms(r, itl, ["vllm:time_to_first_token_seconds"])
@@ -460,7 +481,7 @@ def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None) ->
     fields, histograms = _EXTRACTORS[server](reader) if server in _EXTRACTORS else ({}, {})
     fields["gpu_mem_pct"] = _dcgm_memory(reader, gpu, uuid)
     fields["gpu_util_pct"] = _dcgm_util(reader, gpu, uuid)
-    if all(v is None for v in fields.values()) and not histograms:
+    if all(v is None for k, v in fields.items() if k not in _COUNTERS) and not histograms:
         detail = "; ".join(reader.problems) or "no known signal metric present"
         raise MetricsFormatError(f"{server} page has no usable signal: {detail}")
     return PageReading(

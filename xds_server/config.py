@@ -326,10 +326,30 @@ class CompositeConfig(_Model):
         return self
 
 
+class QueueingConfig(_Model):
+    """The queueing policy's knobs (weight_calculator/queueing.py); the backlog horizon is
+    the telemetry interval."""
+
+    window_seconds: float = Field(20.0, gt=0)     # counter reads used for the rates
+    rate_alpha: float = Field(0.5, gt=0, le=1)    # EWMA of the service-rate estimate
+    min_utilisation: float = Field(0.05, gt=0, le=1)
+    deadband: float = Field(0.10, ge=0, lt=1)     # relative to the previous weight
+    rise_alpha: float = Field(0.5, gt=0, le=1)    # rises are smoothed, drops apply at once
+    kv_degraded: float = Field(0.95, gt=0, le=1)
+    staleness: Literal["saturated", "hold", "ignore"] = "saturated"
+    split: Literal["square_root", "proportional"] = "square_root"
+    utilisation: Literal["saturated", "kv"] = "saturated"
+    work: Literal["tokens", "prompt"] = "tokens"
+    in_flight_share: float = Field(0.5, ge=0, le=1)  # a running request's remaining work
+    standby: bool = True  # endpoints the split leaves out: EDS DRAINING (no new requests)
+
+
 class WeightsConfig(_Model):
-    policy: Literal["gpu_memory", "composite"] = "gpu_memory"
+    # reference: issue 11's baseline controller, for benchmarks (weight_calculator/reference.py)
+    policy: Literal["gpu_memory", "composite", "queueing", "reference"] = "queueing"
     max_weight: int = Field(100, ge=1, le=128)
     composite: CompositeConfig = CompositeConfig()
+    queueing: QueueingConfig = QueueingConfig()
 
 
 class EndpointConfig(_Addressed):
@@ -485,11 +505,15 @@ class DiscoveryConfig(_Model):
 class PoolConfig(_Model):
     name: str = Field(min_length=1)
     model: str = Field(min_length=1)
+    # least_request on the queueing weights measured best (docs/results/weights.md)
     lb_policy: LbPolicy = "least_request"
+    # least_request only: Envoy divides each weight by (active + 1) ** bias (default 1.0)
+    active_request_bias: float | None = Field(None, ge=0, le=100)
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     versions: dict[Literal["stable", "canary"], VersionConfig] | None = None
     rollout: RolloutConfig | None = None
-    long_context: PromptClassConfig | None = None
+    # "auto": classes derived from the endpoints' KV capacities (xds_server/auto_classes.py)
+    long_context: PromptClassConfig | Literal["auto"] | None = None
     prompt_classes: list[PromptClassConfig] = Field(default_factory=list)
     fallback: str | None = None
     retry_policy: RetryConfig = RetryConfig()
@@ -531,6 +555,8 @@ class PoolConfig(_Model):
             raise ValueError("give either `endpoints` or `versions`, not both")
         elif set(self.versions) != {"stable", "canary"}:
             raise ValueError("`versions` needs both `stable` and `canary`")
+        if self.active_request_bias is not None and self.effective_lb_policy != "least_request":
+            raise ValueError("`active_request_bias` works only with least_request")
         if self.slow_start is not None and self.effective_lb_policy not in ("round_robin",
                                                                             "least_request"):
             raise ValueError("`slow_start` works only with round_robin or least_request "
@@ -563,8 +589,13 @@ class PoolConfig(_Model):
         return self.telemetry_source or config.telemetry.source
 
     def size_classes(self) -> list[PromptClassConfig]:
-        extra = [self.long_context] if self.long_context is not None else []
+        extra = [self.long_context] if isinstance(self.long_context, PromptClassConfig) else []
         return [*self.prompt_classes, *extra]
+
+    @property
+    def auto_classes(self) -> bool:
+        """``long_context: auto``: prompt-size classes derived from KV capacities."""
+        return self.long_context == "auto"
 
 
 class KedaConfig(_Model):
@@ -727,8 +758,11 @@ def _endpoint_checks(p_index: int, pool: PoolConfig) -> list[tuple[str, str]]:
 def _class_checks(p_index: int, pool: PoolConfig, names: set[str]) -> list[tuple[str, str]]:
     problems = []
     classes = [(f"pools[{p_index}].prompt_classes[{i}]", c) for i, c in enumerate(pool.prompt_classes)]
-    if pool.long_context is not None:
+    if isinstance(pool.long_context, PromptClassConfig):
         classes.append((f"pools[{p_index}].long_context", pool.long_context))
+    elif pool.auto_classes and (pool.versions is not None or pool.prompt_classes):
+        problems.append((f"pools[{p_index}].long_context", "`auto` cannot be combined with "
+                         "`versions` or `prompt_classes` (yet)"))
     for index, (path, cls) in enumerate(classes):
         if cls.pool not in names or cls.pool == pool.name:
             problems.append((f"{path}.pool", f"expected another pool's name, got {cls.pool!r}"))

@@ -18,17 +18,28 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
+from weight_calculator.queueing import STANDBY
 from weight_calculator.types import Observation, PoolWeights
 
 from . import metrics, type_urls
 from .adapters import screen_signals
+from .auto_classes import AutoClass, capacities_of, derive_classes
 from .autoscale import Autoscaler
 from .cache import SnapshotCache
 from .config import Config, EndpointConfig, PoolConfig
 from .request_features import extra_clusters as feature_clusters
-from .resources import DEGRADED, HEALTHY, EndpointSetting, build_clusters, build_load_assignment
+from .resources import (
+    DEGRADED,
+    DRAINING,
+    HEALTHY,
+    EndpointSetting,
+    build_cluster,
+    build_clusters,
+    build_load_assignment,
+)
 from .rollouts import Rollouts
 from .routing import build_listener, build_route_config
+from .service_history import ServiceHistory
 from .slo import SloTracker, split_signals
 from .snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
 from .sources import TelemetrySource, build_sources
@@ -84,12 +95,15 @@ class Controller:
         self._own_scraper = scraper is None
         self.scraper = scraper or self._new_scraper(config)
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
+        self.service = ServiceHistory()  # counter reads for the queueing policy
         self.sources: dict[str, TelemetrySource] = {}
         self._retired: list[TelemetrySource | Scraper] = []  # replaced, to be closed
         self._closing: set[asyncio.Task[None]] = set()
         self._series: dict[str, dict[str, set[str]]] = {}  # cluster -> address -> signals
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self._notes_lock = threading.Lock()  # one weighing's notes at a time (see ingest_off_loop)
+        self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
+        self._auto_clusters: list[Message] = []
         self.apply_config(config)
 
     @staticmethod
@@ -109,12 +123,16 @@ class Controller:
         self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
         self._clusters += feature_clusters(config)
         self._listener = build_listener(config)
-        self._routes = build_route_config(config, self.canary_percent)
+        self.auto = {name: c for name, c in self.auto.items()
+                     if any(p.name == name and p.auto_classes for p in config.pools)}
+        self._auto_clusters = self._build_auto_clusters()
+        self._routes = build_route_config(config, self.canary_percent, self.auto)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
         self.latency.forget(addresses)
         self.latency.history.window_s = config.telemetry.latency_window_seconds
+        self.service.forget(addresses)
         self.rollouts.apply_config(config)
         self.autoscaler.apply_config(config)
         members = self._members()
@@ -199,7 +217,7 @@ class Controller:
         """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
         if dict(percent) != self.canary_percent:
             self.canary_percent = dict(percent)
-            self._routes = build_route_config(self.config, self.canary_percent)
+            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included;
@@ -256,6 +274,7 @@ class Controller:
         jobs = self._weighing_jobs()
         with self._notes_lock:
             self.weights = self._weigh_and_note(jobs, results)
+        self._update_auto_classes()
 
     async def ingest_off_loop(self, results: dict[str, ScrapeResult]) -> None:
         """:meth:`ingest` without holding up the event loop.
@@ -280,6 +299,7 @@ class Controller:
         weights = await off_loop(self._locked_weigh_and_note, jobs, recorded)
         if self.config is config:
             self.weights = weights
+            self._update_auto_classes()
         else:  # its notes may have named endpoints or clusters the new config dropped
             self._forget_series(self._members())
 
@@ -304,9 +324,48 @@ class Controller:
         weights = {}
         for cluster, pool, endpoints, observations, previous in jobs.clusters:
             weights[cluster] = cluster_weights(jobs.config, pool, endpoints, observations,
-                                               self.latency, jobs.now, previous)
+                                               self.latency, jobs.now, previous,
+                                               self.service)
             self._note_pool(cluster, weights[cluster], results)
         return weights
+
+    def _update_auto_classes(self) -> None:
+        """Derive each ``long_context: auto`` pool's classes from the KV capacities known now;
+        rebuild the derived clusters and the routes only when they changed."""
+        auto: dict[str, tuple[AutoClass, ...]] = {}
+        for pool in self.config.pools:
+            if not pool.auto_classes:
+                continue
+            addresses = [ep.address for ep in pool.endpoints]
+            read = {a: (o.sample.signals.get("kv_capacity_tokens") if o.sample else None)
+                    for a, o in self.store.observations(addresses).items()}
+            configured = {ep.address: ep.capacity for ep in pool.endpoints}
+            classes = derive_classes(pool.name, capacities_of(addresses, configured, read))
+            if classes:
+                auto[pool.name] = classes
+        if auto != self.auto:
+            log.info("automatic prompt-size classes: %s", {
+                p: [(c.cluster, c.min_prompt_bytes, c.max_prompt_bytes, len(c.addresses))
+                    for c in cs] for p, cs in auto.items()} or "none")
+            self.auto = auto
+            self._auto_clusters = self._build_auto_clusters()
+            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+
+    def _build_auto_clusters(self) -> list[Message]:
+        return [build_cluster(self.config.pool(name), c.cluster)
+                for name, classes in self.auto.items() for c in classes]
+
+    def _auto_assignments(self, settings: Mapping[str, Mapping[str, EndpointSetting]]
+                          ) -> list[Message]:
+        """Each derived cluster holds its members with the pool's own weights and health."""
+        out: list[Message] = []
+        for name, classes in self.auto.items():
+            pool = self.config.pool(name)
+            by_address = {ep.address: ep for ep in pool.endpoints}
+            for c in classes:
+                members = [by_address[a] for a in c.addresses if a in by_address]
+                out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
+        return out
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
@@ -315,6 +374,7 @@ class Controller:
             self.slo.record(address, result.collected_at, slo)
             clean, rejected = screen_signals(plain)
             self.latency.record(address, result.collected_at, clean)
+            self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)
         self.store.record(address, result)
         return result
@@ -369,10 +429,11 @@ class Controller:
     def resources(self) -> dict[str, list[Message]]:
         settings = self.settings()
         messages: dict[str, list[Message]] = {
-            type_urls.CLUSTER: list(self._clusters),
-            type_urls.ENDPOINT: [build_load_assignment(name, endpoints, settings.get(name, {}))
-                                 for pool in self.config.pools
-                                 for name, _, endpoints in pool.clusters()],
+            type_urls.CLUSTER: [*self._clusters, *self._auto_clusters],
+            type_urls.ENDPOINT: [*(build_load_assignment(name, endpoints, settings.get(name, {}))
+                                   for pool in self.config.pools
+                                   for name, _, endpoints in pool.clusters()),
+                                 *self._auto_assignments(settings)],
             type_urls.LISTENER: [self._listener],
             type_urls.ROUTE: [self._routes],
         }
@@ -399,7 +460,8 @@ class Controller:
 
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
-        return (self.config, self.weights, self._clusters, self._listener, self._routes,
+        return (self.config, self.weights, self._clusters, self._auto_clusters, self.auto,
+                self._listener, self._routes,
                 *self.mutators)
 
     def _build(self) -> Snapshot | InconsistentSnapshotError:
@@ -484,7 +546,10 @@ def needs_slo(config: Config) -> bool:
 
 
 def _eds_health(health: str) -> str:
-    """Only DEGRADED reaches EDS; stale or invalid telemetry is expressed through weight."""
+    """DEGRADED reaches EDS as DEGRADED, the queueing policy's STANDBY as DRAINING (no new
+    requests); stale or invalid telemetry is expressed through weight."""
+    if health == STANDBY:
+        return DRAINING
     return DEGRADED if health == DEGRADED else HEALTHY
 
 

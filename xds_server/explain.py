@@ -23,7 +23,10 @@ from .telemetry import ScrapeResult
 DEFAULT_SAMPLE_INTERVAL = 1.0
 _COLUMNS = ("pool", "cluster", "endpoint", "weight", "health", "stale", "capacity",
             "capacity_tokens", "inputs", "normalised", "shares", "reason")
-_SCORE_KEYS = ("headroom", "score", "target_weight")
+_SCORE_KEYS = ("headroom", "score", "target_weight",
+               # the queueing policy's estimates (tokens/s, tokens, seconds)
+               "service_rate", "throughput", "target_rate", "backlog", "predicted_wait_s",
+               "saturated_seconds")
 
 
 def _fmt(value: Any) -> str:

@@ -88,6 +88,14 @@ def _slow_start(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
     slow.min_weight_percent.value = pool.slow_start.min_weight_percent
 
 
+def _active_request_bias(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
+    if pool.active_request_bias is None:
+        return
+    bias = cluster.least_request_lb_config.active_request_bias
+    bias.default_value = pool.active_request_bias
+    bias.runtime_key = f"trimtab.{pool.name}.active_request_bias"
+
+
 def _health_check(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
     if pool.health_check is None:
         return
@@ -120,6 +128,7 @@ def build_cluster(pool: PoolConfig, name: str) -> cluster_pb2.Cluster:
     _circuit_breakers(cluster, pool)
     _outlier_detection(cluster, pool)
     _slow_start(cluster, pool)
+    _active_request_bias(cluster, pool)
     _health_check(cluster, pool)
     options = http_protocol_options_pb2.HttpProtocolOptions()
     options.common_http_protocol_options.idle_timeout.FromSeconds(UPSTREAM_IDLE_TIMEOUT_S)

@@ -14,7 +14,7 @@ These depend on the config only, so they are built once per config, not per tick
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from envoy.config.listener.v3 import listener_pb2
@@ -31,6 +31,7 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import (  # noqa: F4
 from google.protobuf import json_format
 
 from . import request_features
+from .auto_classes import AutoClass
 from .config import Config, PoolConfig, parse_host_port
 
 LISTENER_NAME = "trimtab-listener"
@@ -126,8 +127,18 @@ def _model_match(source: str, model: str, extra_headers: list[dict[str, Any]]) -
     return match
 
 
+def _auto_action(pool: PoolConfig, cls: AutoClass) -> dict[str, Any]:
+    """A derived class goes straight to its cluster (no canary split, no fallback)."""
+    action = _action(pool, 0.0)
+    action.pop("weighted_clusters", None)
+    action["retry_policy"].pop("retry_priority", None)
+    action["cluster"] = cls.cluster
+    return action
+
+
 def _pool_routes(config: Config, pool: PoolConfig, source: str,
-                 canary: Mapping[str, float]) -> list[dict[str, Any]]:
+                 canary: Mapping[str, float],
+                 auto: Sequence[AutoClass] = ()) -> list[dict[str, Any]]:
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
@@ -150,24 +161,33 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
         routes.append({"name": f"{source}:{pool.name}:size{index}",
                        "match": _model_match(source, pool.model, [length]),
                        "route": _action(target, canary.get(target.name, 0.0))})
+    for index, cls in enumerate(auto):
+        length = {"name": "content-length",
+                  "range_match": {"start": cls.min_prompt_bytes, "end": cls.upper}}
+        routes.append({"name": f"{source}:{pool.name}:auto{index}",
+                       "match": _model_match(source, pool.model, [length]),
+                       "route": _auto_action(pool, cls)})
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
                    "route": _action(pool, percent)})
     return request_features.scope_classifier(config, pool, routes)
 
 
-def model_routes(config: Config, canary: Mapping[str, float] | None = None
+def model_routes(config: Config, canary: Mapping[str, float] | None = None,
+                 auto: Mapping[str, Sequence[AutoClass]] | None = None
                  ) -> list[dict[str, Any]]:
-    """Header routes, then body routes, then the unknown-model and no-model answers."""
+    """Header routes, then body routes, then the unknown-model and no-model answers.
+    ``auto``: each pool's derived prompt-size classes (``long_context: auto``)."""
     canary = canary or {}
+    auto = auto or {}
     routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
     routes: list[dict[str, Any]] = []
     for pool in routable:
-        routes += _pool_routes(config, pool, "header", canary)
+        routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()))
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
     for pool in routable:
-        routes += _pool_routes(config, pool, "body", canary)
+        routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()))
     unknown = {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
                                      "value": {"present_match": True}}]}
     routes.append(_json_error("body:unknown", unknown, 404, "model_not_found",
@@ -188,11 +208,12 @@ def _class_only(config: Config) -> set[str]:
             if models.get(size.pool) == pool.model} | request_features.same_model_targets(config)
 
 
-def build_route_config(config: Config, canary: Mapping[str, float] | None = None
+def build_route_config(config: Config, canary: Mapping[str, float] | None = None,
+                       auto: Mapping[str, Sequence[AutoClass]] | None = None
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
         {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
-            config, model_routes(config, canary))}]}
+            config, model_routes(config, canary, auto))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 

@@ -22,10 +22,17 @@ from weight_calculator.composite import (
 )
 from weight_calculator.gpu_memory import compute_pool_weights
 from weight_calculator.loss import hold_on_loss, on_tick_clock, restore_stamps, saturate
+from weight_calculator.queueing import (
+    STANDBY_WITH_FALLBACK,
+    QueueingPolicy,
+    compute_queueing_weights,
+)
+from weight_calculator.reference import compute_reference_weights
 from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
 
 from .adapters import HistogramHistory, histogram_from_signals
 from .config import Config, EndpointConfig, PoolConfig
+from .service_history import ServiceHistory
 
 
 def gpu_memory_policy(config: Config) -> GpuMemoryPolicy:
@@ -39,6 +46,17 @@ def composite_policy(config: Config, pool: PoolConfig) -> CompositePolicy:
         knobs["itl_slo_ms"] = pool.itl_slo_ms
     return CompositePolicy(**knobs, max_weight=config.weights.max_weight,
                            stale_after_seconds=config.telemetry.stale_after_seconds)
+
+
+def queueing_policy(config: Config, pool: PoolConfig | None = None) -> QueueingPolicy:
+    """The queueing knobs; a pool with a fallback puts fewer endpoints on standby, so
+    standby never makes Envoy spill to the fallback (see ``STANDBY_WITH_FALLBACK``)."""
+    share = STANDBY_WITH_FALLBACK if pool is not None and pool.fallback is not None else 0.5
+    return QueueingPolicy(**config.weights.queueing.model_dump(),
+                          max_standby_share=share,
+                          max_weight=config.weights.max_weight,
+                          horizon_seconds=config.telemetry.interval_seconds,
+                          stale_after_seconds=config.telemetry.stale_after_seconds)
 
 
 class LatencyWindow:
@@ -92,7 +110,8 @@ def policy_observations(config: Config, pool: PoolConfig,
 
 def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[EndpointConfig],
                     observations: Mapping[str, Observation], latency: LatencyWindow,
-                    now: float, previous: PoolWeights | None) -> PoolWeights:
+                    now: float, previous: PoolWeights | None,
+                    service: ServiceHistory | None = None) -> PoolWeights:
     """The pool policy's weights, then warm-up (endpoints younger than stale_after with no
     telemetry yet) and the flags of rejected inputs."""
     prior = without_warm_up(previous)
@@ -103,6 +122,16 @@ def cluster_weights(config: Config, pool: PoolConfig, endpoints: Sequence[Endpoi
                                                latency.itl_ms(ep.address, now))
                   for ep in endpoints}
         weights = compute_composite_weights(inputs, composite_policy(config, pool), now, prior)
+    elif config.weights.policy == "reference":
+        inputs = {ep.address: _composite_input(ep, observations[ep.address], None)
+                  for ep in endpoints}
+        weights = compute_reference_weights(inputs, composite_policy(config, pool), now, prior)
+    elif config.weights.policy == "queueing":
+        inputs = {ep.address: _composite_input(ep, observations[ep.address], None)
+                  for ep in endpoints}
+        readings = {ep.address: service.readings(ep.address) if service else ()
+                    for ep in endpoints}
+        weights = compute_queueing_weights(inputs, readings, queueing_policy(config, pool), now, prior)
     else:
         weights = compute_pool_weights(observations, gpu_memory_policy(config), now, prior)
     weights = restore_stamps(hold_on_loss(weights, observations, prior), read)

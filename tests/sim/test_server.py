@@ -338,3 +338,28 @@ def test_the_official_openai_client_parses_the_stream(chat: bool) -> None:
     assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens,
             usage_chunk.usage.total_tokens) == (100, 7, 107)
     assert {c.id for c in chunks} == {chunks[0].id}
+
+
+def test_a_server_may_override_the_fleets_efficiency_and_defaults_do_not_change() -> None:
+    from xds_server.sim.fleet import expand
+    from xds_server.sim.profiles import Efficiency
+
+    plain = expand(parse_fleet({"servers": [{"name": "h", "gpu": "H100-80G"}]}))
+    assert plain[0].efficiency == Efficiency()  # no override: the profile's defaults
+    spec = parse_fleet({"efficiency": {"step_overhead_s": 0.001},
+                        "servers": [{"name": "h", "gpu": "H100-80G", "efficiency": {"mfu": 0.08}},
+                                    {"name": "l", "gpu": "L4-24G"}]})
+    h, low = expand(spec)
+    assert h.efficiency.mfu == 0.08 and h.efficiency.step_overhead_s == 0.001  # merged
+    assert low.efficiency == Efficiency(step_overhead_s=0.001)  # the fleet's
+    from xds_server.sim.fleet import load_fleet
+
+    prefill = expand(load_fleet("examples/fleet-hetero-prefill-heavy.yaml"))
+    per_token = {c.gpu.name: 2 * c.model.params / (c.gpu.peak_flops * c.efficiency.mfu)
+                 for c in prefill}
+    h100 = next(v for k, v in per_token.items() if k.startswith("H100"))
+    assert h100 == pytest.approx(0.2e-3, rel=0.01)
+    assert next(v for k, v in per_token.items() if k.startswith("A100")) == \
+        pytest.approx(1.7 * h100, rel=0.01)
+    assert next(v for k, v in per_token.items() if k.startswith("L4")) == \
+        pytest.approx(4 * h100, rel=0.01)

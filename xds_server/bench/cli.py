@@ -82,6 +82,10 @@ class BenchSettings:
     long_context_kv_factor: float = LONG_POOL_KV_FACTOR
     homogeneous: bool = False  # which targets: see fleet_is_homogeneous and --targets
     tolerance: float = report.HOMOGENEOUS_TOLERANCE
+    lb_policy: str = "least_request"
+    queueing: dict[str, Any] = field(default_factory=dict)
+    auto_classes: bool = False
+    active_request_bias: float | None = None
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -165,8 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=_tolerance, default=report.HOMOGENEOUS_TOLERANCE,
                    help="the homogeneous targets' tolerance: P99 TTFT ratio <= 1 + T, "
                         f"tokens/s ratio >= 1 - T (default {report.HOMOGENEOUS_TOLERANCE:g})")
-    p.add_argument("--weights", choices=["composite", "gpu_memory"], default="composite",
-                   help="trimtab's weight policy (default composite)")
+    p.add_argument("--weights", choices=["queueing", "composite", "gpu_memory"],
+                   default="queueing", help="trimtab's weight policy (default queueing, "
+                                            "trimtab's default)")
+    p.add_argument("--lb-policy", choices=["least_request", "round_robin"],
+                   default="least_request",
+                   help="trimtab's lb_policy (default least_request, trimtab's default; the "
+                        "reference always runs least_request)")
+    p.add_argument("--active-request-bias", type=float, metavar="B",
+                   help="trimtab with --lb-policy least_request: Envoy's active_request_bias "
+                        "(weight / (active + 1) ** B; Envoy's default 1)")
+    p.add_argument("--queueing", type=_overrides, default={},
+                   help="override trimtab's queueing knobs, e.g. deadband=0.2")
     p.add_argument("--interval", type=_positive, default=2.0,
                    help="trimtab's telemetry interval in seconds (default 2)")
     p.add_argument("--composite", type=_overrides, default={},
@@ -180,6 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="F", help="how many of the workload's longest requests a server's "
                                      f"KV cache must hold to join the long-context pool "
                                      f"(default {LONG_POOL_KV_FACTOR:g})")
+    p.add_argument("--auto-classes", action="store_true",
+                   help="trimtab only: long_context: auto (prompt-size classes derived from "
+                        "the servers' KV capacities); excludes --long-context-tokens")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild bench.json/png and the table from --out's records; run nothing")
@@ -200,7 +217,9 @@ def settings_from(args: argparse.Namespace, w: Workload,
         raise ValueError("--warmup and --tail must be >= 0")
     if args.long_context_tokens < 0:
         raise ValueError("--long-context-tokens must be >= 0")
-    if args.long_context_tokens and not w.realistic_bodies:
+    if args.auto_classes and args.long_context_tokens:
+        raise ValueError("--auto-classes and --long-context-tokens exclude each other")
+    if (args.long_context_tokens or args.auto_classes) and not w.realistic_bodies:
         raise ValueError("--long-context-tokens routes on content-length: the workload needs "
                          "realistic_bodies: true")
     return BenchSettings(
@@ -210,6 +229,8 @@ def settings_from(args: argparse.Namespace, w: Workload,
         interval=args.interval, out=args.out, composite=dict(args.composite),
         long_context_tokens=args.long_context_tokens,
         long_context_kv_factor=args.long_context_kv_factor,
+        lb_policy=args.lb_policy, queueing=dict(args.queueing),
+        auto_classes=args.auto_classes, active_request_bias=args.active_request_bias,
         homogeneous=(args.targets == "homogeneous" if args.targets != "auto"
                      else spec is not None and fleet_is_homogeneous(spec)),
         tolerance=args.tolerance)
@@ -263,9 +284,10 @@ def long_context_for(fleet: Fleet, w: Workload, tokens: int,
 def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> LoadRun:
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
-                        composite=s.composite,
-                        long_context=long_context_for(fleet, w, s.long_context_tokens,
-                                                     s.long_context_kv_factor))
+                        composite=s.composite, lb_policy=s.lb_policy, queueing=s.queueing,
+                        active_request_bias=s.active_request_bias,
+                        long_context="auto" if s.auto_classes else long_context_for(
+                            fleet, w, s.long_context_tokens, s.long_context_kv_factor))
     try:
         stack.start()
         log(f"{policy}: Envoy routes to {len(fleet.servers)} hosts via "
@@ -309,13 +331,15 @@ def _config(s: BenchSettings, fleet: Fleet) -> dict[str, Any]:
                       "circuit_breakers": envoy_configs.CIRCUIT_LIMIT,
                       "route_timeout": "0s", "idle_timeout": envoy_configs.IDLE_TIMEOUT,
                       "cswrr": envoy_configs.CSWRR_SETTINGS},
-            "trimtab": {"lb_policy": "least_request", "weights": s.weights,
+            "trimtab": {"lb_policy": s.lb_policy, "weights": s.weights,
+                        "queueing": s.queueing,
                         "interval_seconds": s.interval, "composite": s.composite,
                         "long_context_tokens": s.long_context_tokens,
+                        "auto_classes": s.auto_classes,
+                        "active_request_bias": s.active_request_bias,
                         "long_context_kv_factor": s.long_context_kv_factor},
-            "reference": {"lb_policy": "least_request", "weights": "composite",
-                          "interval_seconds": reference.INTERVAL_S,
-                          "composite": reference.COMPOSITE}}
+            "reference": {"lb_policy": reference.LB_POLICY, "weights": reference.WEIGHTS,
+                          "interval_seconds": reference.INTERVAL_S}}
 
 
 def rereport(out: Path) -> dict[str, Any]:

@@ -164,25 +164,34 @@ class LongContext:
 LONG_POOL = f"{CLUSTER}-long"
 
 
-def _pools(model: str, addresses: Sequence[str],
-           long_context: LongContext | None) -> list[dict[str, Any]]:
-    main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": "least_request",
+def _pools(model: str, addresses: Sequence[str], long_context: LongContext | str | None,
+           lb_policy: str = "least_request", bias: float | None = None
+           ) -> list[dict[str, Any]]:
+    main: dict[str, Any] = {"name": CLUSTER, "model": model, "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
-    if long_context is None:
+    if bias is not None:
+        main["active_request_bias"] = bias
+    if long_context == "auto":  # classes derived from the servers' KV capacities
+        main["long_context"] = "auto"
+        return [main]
+    if not isinstance(long_context, LongContext):
         return [main]
     main["long_context"] = {"pool": LONG_POOL,
                             "min_prompt_bytes": long_context.min_prompt_bytes}
     long_pool = {"name": LONG_POOL, "model": f"{model}#long-context",
-                 "lb_policy": "least_request",
+                 "lb_policy": lb_policy,
                  "endpoints": [{"address": a} for a in long_context.addresses]}
     return [main, long_pool]
 
 
 def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin_port: int,
-                   listener_port: int, weights: str = "composite", interval: float = 2.0,
+                   listener_port: int, weights: str = "queueing", interval: float = 2.0,
                    composite: Mapping[str, Any] | None = None,
-                   long_context: LongContext | None = None) -> dict[str, Any]:
-    """``trimtab serve`` config: one pool of the fleet, least request on trimtab's weights.
+                   long_context: LongContext | str | None = None,
+                   lb_policy: str = "least_request",
+                   queueing: Mapping[str, Any] | None = None,
+                   active_request_bias: float | None = None) -> dict[str, Any]:
+    """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
     (the product's 6 s at the default 2 s tick). ``composite`` overrides knobs of the
@@ -193,11 +202,13 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
     weights_section: dict[str, Any] = {"policy": weights}
     if composite:
         weights_section["composite"] = dict(composite)
+    if queueing:
+        weights_section["queueing"] = dict(queueing)
     return {
         "xds": {"address": f"127.0.0.1:{xds_port}"},
         "admin": {"address": f"127.0.0.1:{admin_port}"},
         "listener": {"address": f"127.0.0.1:{listener_port}"},
         "telemetry": {"interval_seconds": interval, "stale_after_seconds": 3 * interval},
         "weights": weights_section,
-        "pools": _pools(model, addresses, long_context),
+        "pools": _pools(model, addresses, long_context, lb_policy, active_request_bias),
     }

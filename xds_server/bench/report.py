@@ -147,6 +147,15 @@ def weight_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[st
     return out
 
 
+def inflight_series(samples: Sequence[tuple[float, Any]]) -> dict[str, list[Any]]:
+    """``{server name: [[t, running + waiting], ...]}`` from the simulator's stats samples."""
+    out: dict[str, list[Any]] = {}
+    for t, sample in samples:
+        for name, server in sample.get("servers", {}).items():
+            out.setdefault(name, []).append([t, server["running"] + server["waiting"]])
+    return out
+
+
 def policy_entry(run: LoadRun, plan: LoadPlan, url: str, fleet: Fleet,
                  drain_s: float) -> dict[str, Any]:
     """Everything ``bench.json`` keeps about one policy's run."""
@@ -156,12 +165,16 @@ def policy_entry(run: LoadRun, plan: LoadPlan, url: str, fleet: Fleet,
         "sim": sim_summary(run.samples.get("sim", []), plan.warmup, plan.total),
         "drain_before_s": drain_s,
         "envoy_weights": weight_series(run.samples.get("envoy_weights", []), fleet),
+        "inflight": inflight_series(run.samples.get("sim", [])),
     }
     if "trimtab_weights" in run.samples:
         entry["trimtab_weights"] = weight_series(run.samples["trimtab_weights"], fleet)
         entry["trimtab_signals"] = [[t, {fleet.name_of(a): v.get("signals", {})
                                          for a, v in s.items()}]
                                     for t, s in run.samples["trimtab_weights"]]
+        entry["trimtab_breakdown"] = [[t, {fleet.name_of(a): v.get("breakdown", {})
+                                           for a, v in s.items()}]
+                                      for t, s in run.samples["trimtab_weights"]]
     return entry
 
 
@@ -428,13 +441,21 @@ def write_png(report: Mapping[str, Any], ttfts: Mapping[str, Sequence[float]],
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, (cdf, weights, share) = plt.subplots(1, 3, figsize=(18, 5.5))
-    _plot_cdf(cdf, ttfts)
-    _plot_weights(weights, report)
-    _plot_share(share, report)
+    policies = list(report["policies"])
+    rows = 1 + len(policies)
+    fig, axes = plt.subplots(rows, 3 if rows == 1 else 2, figsize=(18, 5.5 + 3.2 * len(policies)),
+                             squeeze=False)
+    top = axes[0]
+    _plot_cdf(top[0], ttfts)
+    _plot_share(top[1], report)
+    if len(top) > 2:
+        _plot_weights(top[2], report)
+    for row, policy in zip(axes[1:], policies, strict=True):
+        _plot_policy_weights(row[0], report, policy)
+        _plot_policy_inflight(row[1], report, policy)
     fig.suptitle(f"{report['config']['fleet']} x {report['config']['workload']}, seed "
                  f"{report['seed']}, {report['config']['rate']:g} req/s")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.985))  # leave the suptitle its own line
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
@@ -467,6 +488,35 @@ def _plot_weights(ax: Any, report: Mapping[str, Any]) -> None:
     if series:
         ax.legend(fontsize="small")
     ax.grid(True, alpha=0.3)
+
+
+def _series_axes(ax: Any, report: Mapping[str, Any], series: Mapping[str, Sequence[Any]],
+                 ylabel: str, title: str) -> None:
+    for name in sorted(series):
+        points = series[name]
+        if points:
+            ax.step([p[0] for p in points], [p[1] for p in points], where="post", label=name)
+    ax.axvline(report["config"]["warmup"], color="grey", ls="--", lw=0.8)
+    ax.set_xlabel("seconds since the run started (dashed: end of warm-up)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    if any(series.values()):
+        ax.legend(fontsize="small", ncol=2)
+    ax.grid(True, alpha=0.3)
+
+
+def _plot_policy_weights(ax: Any, report: Mapping[str, Any], policy: str) -> None:
+    """The weights Envoy held for each host (its /clusters), over the policy's run."""
+    series = report["policies"][policy].get("envoy_weights", {})
+    flat = all(p[1] == 1 for points in series.values() for p in points)
+    note = " (all 1: the balancer's own weights are not exposed)" if flat and series else ""
+    _series_axes(ax, report, series, "Envoy host weight", f"{policy}: weights{note}")
+
+
+def _plot_policy_inflight(ax: Any, report: Mapping[str, Any], policy: str) -> None:
+    """Requests running + waiting on each server, sampled from the simulator every 2 s."""
+    series = report["policies"][policy].get("inflight", {})
+    _series_axes(ax, report, series, "running + waiting", f"{policy}: in-flight per server")
 
 
 def _plot_share(ax: Any, report: Mapping[str, Any]) -> None:

@@ -235,18 +235,24 @@ class SimFleetProcess:
 # ---- Envoy (+ trimtab) for one policy -----------------------------------------------------
 class PolicyStack:
     """Envoy in front of the fleet for one policy; for ``trimtab`` and ``reference`` also
-    ``trimtab serve`` (``reference``: :data:`reference.COMPOSITE` every
-    :data:`reference.INTERVAL_S`, one pool, whatever the other arguments say)."""
+    ``trimtab serve`` (``reference``: ``weights.policy: reference`` every
+    :data:`reference.INTERVAL_S`, least_request, one pool, whatever the other arguments
+    say)."""
 
-    def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "composite",
+    def __init__(self, policy: str, fleet: Fleet, workdir: Path, *, weights: str = "queueing",
                  interval: float = 2.0, listener_port: int = 0, trimtab_admin_port: int = 0,
                  composite: dict[str, Any] | None = None,
-                 long_context: envoy_configs.LongContext | None = None) -> None:
+                 long_context: envoy_configs.LongContext | str | None = None,
+                 lb_policy: str = "least_request", queueing: dict[str, Any] | None = None,
+                 active_request_bias: float | None = None) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
         if policy == envoy_configs.REFERENCE:
-            weights, interval, composite = "composite", reference.INTERVAL_S, reference.COMPOSITE
-            long_context = None
+            weights, interval, composite = reference.WEIGHTS, reference.INTERVAL_S, None
+            long_context, lb_policy, queueing = None, reference.LB_POLICY, None
+            active_request_bias = None
+        self.lb_policy, self.queueing = lb_policy, dict(queueing or {})
+        self.active_request_bias = active_request_bias
         self.policy, self.fleet, self.workdir = policy, fleet, workdir
         self.weights, self.interval, self.composite = weights, interval, dict(composite or {})
         self.long_context = long_context
@@ -299,7 +305,8 @@ class PolicyStack:
             model=self.fleet.model, addresses=self.fleet.addresses, xds_port=xds_port,
             admin_port=self.trimtab_admin_port, listener_port=self.listener_port,
             weights=self.weights, interval=self.interval, composite=self.composite,
-            long_context=self.long_context)
+            long_context=self.long_context, lb_policy=self.lb_policy, queueing=self.queueing,
+            active_request_bias=self.active_request_bias)
         name = "trimtab" if self.policy == "trimtab" else f"trimtab-{self.policy}"
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
@@ -356,7 +363,15 @@ def trimtab_weights(document: dict[str, Any]) -> dict[str, Any]:
     """``/v1/weights`` -> ``{address: {weight, health, signals}}`` of the bench pool."""
     pool = document["pools"][envoy_configs.CLUSTER]
     return {address: {"weight": e["weight"], "health": e.get("health"),
-                      "signals": e.get("signals", {})} for address, e in pool.items()}
+                      "signals": e.get("signals", {}),
+                      "breakdown": {k: v for k, v in (e.get("breakdown") or {}).items()
+                                    if k in BREAKDOWN_KEPT}}
+            for address, e in pool.items()}
+
+
+# the queueing policy's estimates, kept per sample so a reader can see why weights moved
+BREAKDOWN_KEPT = frozenset({"service_rate", "throughput", "target_rate", "backlog",
+                            "predicted_wait_s", "target_weight"})
 
 
 def envoy_weights(document: dict[str, Any]) -> dict[str, int]:

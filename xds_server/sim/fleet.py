@@ -56,6 +56,9 @@ class ServerSpec(_Strict):
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     gpu_memory_utilization: float | None = Field(None, gt=0, le=1)
+    # Optional per-server override of the fleet's efficiency (e.g. prefill-heavy GPU
+    # parameters); fields left out keep the fleet's values. Absent: the fleet's, unchanged.
+    efficiency: EfficiencySpec | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ServerSpec:
@@ -109,11 +112,14 @@ def load_fleet(path: str | Path) -> FleetSpec:
 
 def expand(spec: FleetSpec) -> list[ServerConfig]:
     """One :class:`ServerConfig` per simulated server, replicas expanded."""
-    eff = Efficiency(**{k: v for k, v in spec.efficiency.model_dump().items()
-                        if v is not None})
+    fleet_eff = {k: v for k, v in spec.efficiency.model_dump().items() if v is not None}
+    eff = Efficiency(**fleet_eff)
     model = MODELS[spec.model_profile]
     configs = []
     for s in spec.servers:
+        own = s.efficiency.model_dump() if s.efficiency is not None else {}
+        server_eff = Efficiency(**{**fleet_eff, **{k: v for k, v in own.items()
+                                                   if v is not None}}) if own else eff
         gpu = with_overrides(GPUS[s.gpu], max_num_seqs=s.max_num_seqs,
                              max_num_batched_tokens=s.max_num_batched_tokens,
                              gpu_memory_utilization=s.gpu_memory_utilization)
@@ -122,7 +128,7 @@ def expand(spec: FleetSpec) -> list[ServerConfig]:
         for name in names:
             configs.append(ServerConfig(
                 name=name, gpu=gpu, model=model, served_model_name=spec.model,
-                host=spec.host, port=s.port, faults=faults, efficiency=eff,
+                host=spec.host, port=s.port, faults=faults, efficiency=server_eff,
                 max_model_len=s.max_model_len or spec.max_model_len, orca=spec.orca,
                 orca_utilization=spec.orca_utilization))
     return configs

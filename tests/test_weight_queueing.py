@@ -1,0 +1,303 @@
+"""The queueing policy: service rates from counters, predicted wait, the square-root split,
+the relative deadband, bounds, staleness and fail-static."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from weight_calculator.composite import EndpointInput, Signals
+from weight_calculator.queueing import (
+    QueueingPolicy,
+    Reading,
+    compute_queueing_weights,
+    rates,
+    smooth,
+    square_root_split,
+)
+from weight_calculator.types import EndpointWeight, PoolWeights
+
+NOW = 1000.0
+POLICY = QueueingPolicy()  # utilisation "saturated": only queued intervals measure the rate
+KV = QueueingPolicy(utilisation="kv")  # unsaturated intervals extrapolated by KV use
+
+
+def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_per_s: float = 1.0,
+            seconds: float = 20.0, step: float = 2.0, end: float = NOW) -> list[Reading]:
+    """Reads every ``step`` seconds up to ``end`` at a constant throughput."""
+    n = int(seconds / step)
+    start = end - n * step
+    return [Reading(start + i * step, done_per_s * i * step, tokens_per_s * i * step,
+                    running=4.0, waiting=waiting, kv_usage=kv) for i in range(n + 1)]
+
+
+def inp(kv: float = 0.5, queue: float = 0.0, capacity: float = 100_000.0,
+        at: float = NOW - 0.5, running: float = 0.0) -> EndpointInput:
+    return EndpointInput(Signals(kv_usage=kv, queue=queue, running=running,
+                                 capacity=capacity), at)
+
+
+# --- rates ------------------------------------------------------------------------------------
+
+
+def test_a_saturated_endpoints_throughput_is_its_service_rate() -> None:
+    r = rates(history(600.0, waiting=5.0, kv=0.9), NOW, POLICY)
+    assert r.throughput == pytest.approx(600.0)
+    assert r.service_rate == pytest.approx(600.0)  # requests waited throughout: u = 1
+    assert r.saturated_seconds == pytest.approx(20.0)
+
+
+def test_an_unsaturated_endpoint_only_bounds_its_rate_from_below() -> None:
+    r = rates(history(600.0, kv=0.25), NOW, POLICY)
+    assert r.throughput == pytest.approx(600.0)
+    assert r.service_rate is None  # never queued: no measurement at capacity
+    assert r.saturated_seconds == 0.0
+    # half the window queued: those intervals alone measure it
+    mixed = history(600.0, kv=0.25, seconds=10.0, end=NOW - 10.0) + [
+        Reading(NOW - 10.0 + 2.0 * i, 3.0 + i, 6000.0 + 900.0 * 2.0 * i, 4.0, 3.0, 0.9)
+        for i in range(6)]
+    assert rates(mixed, NOW, POLICY).service_rate == pytest.approx(900.0)
+
+
+def test_in_kv_mode_an_unsaturated_rate_is_extrapolated_by_kv_use() -> None:
+    r = rates(history(600.0, kv=0.25), NOW, KV)
+    assert r.service_rate == pytest.approx(2400.0)  # at a quarter of its KV in use
+
+
+def test_idle_intervals_and_counter_resets_say_nothing() -> None:
+    idle = rates(history(0.0, kv=0.0), NOW, KV)
+    assert idle.throughput == 0.0 and idle.service_rate is None
+    before = history(600.0, waiting=5.0, kv=0.9, seconds=10.0, end=NOW - 10.0)
+    after = history(600.0, waiting=5.0, kv=0.9, seconds=8.0)  # restarted: counters from 0
+    r = rates(before + after, NOW, POLICY)
+    # the interval across the restart (counters went backwards) is skipped
+    assert r.service_rate == pytest.approx(600.0)
+    assert r.throughput == pytest.approx(600.0)
+    old = rates(history(600.0, end=NOW - 100.0), NOW, POLICY)  # outside the window
+    assert old.throughput is None and old.service_rate is None
+
+
+# --- the split --------------------------------------------------------------------------------
+
+
+def test_square_root_split_loads_fast_servers_more_than_in_proportion() -> None:
+    mu = {"h100": 9.6, "a100": 3.0, "l4": 0.47}
+    split = square_root_split(mu, 8.0)
+    assert sum(split.values()) == pytest.approx(8.0)
+    assert split["l4"] == 0.0  # used only when the fast ones would otherwise queue
+    assert split["h100"] / mu["h100"] > split["a100"] / mu["a100"]
+    near_full = square_root_split(mu, 12.5)
+    assert near_full["l4"] > 0 and sum(near_full.values()) == pytest.approx(12.5)
+    assert square_root_split(mu, 20.0) == mu  # overloaded: in proportion to the rates
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def test_weights_follow_the_measured_service_rate_not_the_kv_capacity() -> None:
+    # the "L4" has 8 % of the KV of the "H100" but only 5 % of its speed, and is queueing
+    inputs = {"h": inp(kv=0.3, capacity=450_000.0), "l": inp(kv=0.9, queue=6, capacity=38_000.0)}
+    readings = {"h": history(6000.0, kv=0.3, done_per_s=5.0),
+                "l": history(300.0, waiting=6.0, kv=0.9, done_per_s=0.25)}
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    h, low = w.endpoints["h"], w.endpoints["l"]
+    assert h.weight == 100 and low.weight == 1
+    assert h.breakdown["service_rate"] == pytest.approx(20_000.0)  # 6000 / 0.3
+    # by default the unqueued "H100" is not measured: its rate is at least what it did
+    # (6000), more than the L4's rate per KV token says (300 / 38k x 450k = 3553)
+    plain = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    assert plain.endpoints["h"].weight == 100 and plain.endpoints["l"].weight == 1
+    assert "service_rate" not in plain.endpoints["h"].breakdown
+    assert plain.endpoints["l"].breakdown["service_rate"] == pytest.approx(300.0)
+    assert low.breakdown["service_rate"] == pytest.approx(300.0)
+    per_request = (6000.0 + 300.0) / 5.25
+    assert low.breakdown["backlog"] == pytest.approx(6 * per_request)
+    assert low.breakdown["predicted_wait_s"] == pytest.approx(6 * per_request / 300.0)
+    assert low.health == "STANDBY" and "standby" in low.reason  # the split leaves it out
+    kept = compute_queueing_weights(inputs, readings, QueueingPolicy(utilisation="kv",
+                                                                     standby=False), NOW, None)
+    assert kept.endpoints["l"].health == "HEALTHY" and kept.endpoints["l"].weight == 1
+    assert "predicted wait" in kept.endpoints["l"].reason
+
+
+def test_without_counters_weights_are_capacity_over_queue() -> None:
+    inputs = {"a": inp(capacity=200_000.0), "b": inp(capacity=100_000.0),
+              "c": inp(capacity=100_000.0, queue=1.0)}
+    w = compute_queueing_weights(inputs, {}, POLICY, NOW, None)
+    assert {a: e.weight for a, e in w.endpoints.items()} == {"a": 100, "b": 50, "c": 25}
+    assert all("service_rate" not in e.breakdown for e in w.endpoints.values())
+
+
+def test_an_endpoint_without_evidence_gets_the_pools_rate_per_kv_token() -> None:
+    inputs = {"seen": inp(kv=0.5, capacity=100_000.0), "new": inp(kv=0.0, capacity=50_000.0)}
+    readings = {"seen": history(1000.0, kv=0.5)}
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    # seen: mu = 2000 tokens/s; new: 2000 / 100k x 50k = 1000; lam = 1000 -> square root
+    mu_seen, mu_new, lam = 2000.0, 1000.0, 1000.0
+    spare = (mu_seen + mu_new - lam) / (math.sqrt(mu_seen) + math.sqrt(mu_new))
+    r_seen, r_new = mu_seen - math.sqrt(mu_seen) * spare, mu_new - math.sqrt(mu_new) * spare
+    assert w.endpoints["new"].weight == round(100 * r_new / r_seen)
+    assert "service_rate" not in w.endpoints["new"].breakdown
+
+
+def test_the_service_rate_is_remembered_through_previous_weights() -> None:
+    inputs = {"a": inp(kv=0.9, queue=3.0), "b": inp(kv=0.2)}
+    first = compute_queueing_weights(
+        inputs, {"a": history(500.0, waiting=3.0, kv=0.9), "b": history(1000.0, kv=0.2)},
+        KV, NOW, None)
+    assert first.endpoints["a"].breakdown["service_rate"] == pytest.approx(500.0)
+    # a quiet minute later: no readings in the window, the estimate is kept
+    inputs = {"a": inp(kv=0.9, queue=3.0, at=NOW + 59), "b": inp(kv=0.2, at=NOW + 59)}
+    later = compute_queueing_weights(inputs, {}, KV, NOW + 60, first)
+    assert later.endpoints["a"].breakdown["service_rate"] == pytest.approx(500.0)
+    # new evidence is blended with rate_alpha ...
+    again = compute_queueing_weights(
+        inputs, {"a": history(300.0, waiting=3.0, kv=0.9, end=NOW + 62)}, KV, NOW + 62,
+        later)
+    assert again.endpoints["a"].breakdown["service_rate"] == pytest.approx(400.0)
+    # ... but never below what the endpoint was seen to do
+    faster = compute_queueing_weights(
+        inputs, {"a": history(1500.0, waiting=3.0, kv=0.9, end=NOW + 62)}, KV, NOW + 62,
+        later)
+    assert faster.endpoints["a"].breakdown["service_rate"] == pytest.approx(1500.0)
+    # pure: the same arguments give the same weights
+    assert compute_queueing_weights(inputs, {}, KV, NOW + 60, first) == later
+
+
+def test_weights_stay_within_bounds() -> None:
+    policy = QueueingPolicy(max_weight=7)
+    inputs = {f"e{i}": inp(kv=0.99 if i == 0 else 0.1 * i, queue=1000.0 * (i % 2),
+                           capacity=1000.0 * (i + 1)) for i in range(6)}
+    readings = {a: history(100.0 * (i + 1), kv=0.5) for i, a in enumerate(inputs)}
+    w = compute_queueing_weights(inputs, readings, policy, NOW, None)
+    assert all(1 <= e.weight <= 7 for e in w.endpoints.values())
+    assert w.endpoints["e0"].health == "DEGRADED" and w.endpoints["e0"].weight == 1
+    assert w.endpoints["e1"].weight == 1  # a thousand waiting: the floor, never 0
+
+
+# --- relative deadband and smoothing ----------------------------------------------------------
+
+
+def test_relative_deadband_keeps_small_changes_and_drops_at_once() -> None:
+    assert smooth(6, 6, POLICY) == 6
+    assert smooth(95, 100, POLICY) == 100  # within 10 %: no rebuild of Envoy's balancer
+    assert smooth(6, 5, POLICY) == 6  # +20 % on a small weight is not noise
+    assert smooth(2, 6, POLICY) == 2  # a drop applies at once
+    assert smooth(100, 20, POLICY) == 60  # a rise moves half the way
+    assert smooth(30, None, POLICY) == 30
+
+
+def test_an_overloaded_small_endpoint_loses_its_weight_within_one_tick() -> None:
+    inputs = {"big": inp(kv=0.5, capacity=400_000.0), "small": inp(kv=0.5, capacity=40_000.0)}
+    readings = {"big": history(4000.0, kv=0.5), "small": history(1000.0, kv=0.5)}
+    calm = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    assert calm.endpoints["small"].weight == 7  # r = 2000 - sqrt(2000) * 5000 / 134.2
+    # next tick: the small one has ten requests waiting (25 000 tokens of work, 12 s at
+    # its rate): its weight falls to the floor at once, not over several ticks
+    tick = NOW + 2.0
+    inputs = {"big": inp(kv=0.5, capacity=400_000.0, at=tick - 0.5),
+              "small": inp(kv=0.9, queue=10.0, capacity=40_000.0, at=tick - 0.5)}
+    readings = {"big": history(4000.0, kv=0.5, end=tick),
+                "small": history(1000.0, kv=0.5, end=tick)}
+    loaded = compute_queueing_weights(inputs, readings, KV, tick, calm)
+    assert loaded.endpoints["small"].weight == 1
+    assert loaded.endpoints["small"].breakdown["predicted_wait_s"] > 10
+    assert loaded.endpoints["big"].weight == 100
+
+
+# --- staleness and fail-static ----------------------------------------------------------------
+
+
+def test_stale_endpoints_are_saturated_and_a_lost_pool_is_fail_static() -> None:
+    inputs = {"a": inp(), "b": inp(at=NOW - 60.0)}
+    w = compute_queueing_weights(inputs, {"a": history(500.0)}, POLICY, NOW, None)
+    assert w.endpoints["b"].weight == 1 and w.endpoints["b"].stale and not w.fail_static
+    previous = PoolWeights({"a": EndpointWeight(40, False, False, {}, NOW),
+                            "b": EndpointWeight(9, False, False, {}, NOW)}, False)
+    lost = {"a": EndpointInput(None, None, "connection refused"), "b": inp(at=NOW - 60.0)}
+    held = compute_queueing_weights(lost, {}, POLICY, NOW, previous)
+    assert held.fail_static
+    assert {a: e.weight for a, e in held.endpoints.items()} == {"a": 40, "b": 9}
+    bad = compute_queueing_weights({"a": EndpointInput(Signals(kv_usage=math.nan), NOW)},
+                                   {}, POLICY, NOW, None)
+    assert bad.fail_static and bad.endpoints["a"].health == "INVALID"
+    assert compute_queueing_weights({}, {}, POLICY, NOW, None) == PoolWeights({}, False)
+
+
+def test_policy_knobs_are_checked() -> None:
+    for bad in ({"deadband": 1.0}, {"rise_alpha": 0.0}, {"horizon_seconds": 0.0},
+                {"max_weight": 0}, {"staleness": "nope"}):
+        with pytest.raises(ValueError, match="QueueingPolicy"):
+            QueueingPolicy(**bad)  # type: ignore[arg-type]
+
+
+def test_the_proportional_split_is_available_by_name() -> None:
+    inputs = {"a": inp(kv=0.5, capacity=400_000.0), "b": inp(kv=0.5, capacity=40_000.0)}
+    readings = {"a": history(4000.0, kv=0.5), "b": history(1000.0, kv=0.5)}
+    w = compute_queueing_weights(inputs, readings,
+                                 QueueingPolicy(split="proportional", utilisation="kv"), NOW,
+                                 None)
+    assert {a: e.weight for a, e in w.endpoints.items()} == {"a": 100, "b": 25}  # 8000 : 2000
+    with pytest.raises(ValueError, match="split"):
+        QueueingPolicy(split="magic")
+
+
+def test_in_flight_work_counts_half_a_request_each() -> None:
+    """Round robin does not see active requests: an endpoint that piles up running requests
+    must lose share before its KV cache fills (seen: 217 running at 99.5 % KV)."""
+    readings = {"a": history(4000.0, kv=0.5), "b": history(4000.0, kv=0.5)}
+    even = compute_queueing_weights({"a": inp(running=20.0), "b": inp(running=20.0)},
+                                    readings, KV, NOW, None)
+    assert even.endpoints["a"].weight == even.endpoints["b"].weight == 100
+    piled = compute_queueing_weights({"a": inp(running=200.0), "b": inp(running=20.0)},
+                                     readings, KV, NOW, None)
+    a, b = piled.endpoints["a"], piled.endpoints["b"]
+    per_request = 8000.0 / 2.0  # tokens per finished request over the window
+    assert a.breakdown["backlog"] == pytest.approx(0.5 * 200.0 * per_request)
+    assert a.breakdown["predicted_wait_s"] == pytest.approx(0.5 * 200.0 * per_request / 8000.0)
+    assert b.weight == 100 and a.weight < b.weight / 4
+    none = compute_queueing_weights({"a": inp(running=200.0), "b": inp(running=20.0)},
+                                    readings, QueueingPolicy(utilisation="kv",
+                                                             in_flight_share=0.0), NOW, None)
+    assert none.endpoints["a"].weight == 100  # counting queued work only
+
+
+def test_standby_never_takes_more_than_half_the_pool() -> None:
+    inputs = {"h": inp(kv=0.5, capacity=400_000.0), "s1": inp(kv=0.5, capacity=10_000.0),
+              "s2": inp(kv=0.5, capacity=10_000.0)}
+    readings = {"h": history(2000.0, kv=0.5), "s1": history(50.0, kv=0.5),
+                "s2": history(50.0, kv=0.5)}
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    # the split leaves both small ones out, but two of three would be most of the pool
+    assert {e.health for e in w.endpoints.values()} == {"HEALTHY"}
+    inputs["h2"] = inp(kv=0.5, capacity=400_000.0)
+    readings["h2"] = history(2000.0, kv=0.5)
+    w = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    assert [a for a, e in w.endpoints.items() if e.health == "STANDBY"] == ["s1", "s2"]
+    assert all(e.weight == 1 for a, e in w.endpoints.items() if a.startswith("s"))
+
+
+def test_a_pool_with_a_fallback_never_puts_enough_on_standby_to_spill() -> None:
+    """Envoy spills an aggregate cluster's pool to its fallback once healthy hosts x 1.4 fall
+    short of the pool: 2 of 4 on standby would send ~30 % of requests to the fallback model."""
+    from weight_calculator.queueing import STANDBY_WITH_FALLBACK
+    from xds_server.config import Config
+    from xds_server.weighing import queueing_policy
+
+    inputs = {"h1": inp(kv=0.5, capacity=400_000.0), "h2": inp(kv=0.5, capacity=400_000.0),
+              "s1": inp(kv=0.5, capacity=10_000.0), "s2": inp(kv=0.5, capacity=10_000.0)}
+    readings = {"h1": history(2000.0, kv=0.5), "h2": history(2000.0, kv=0.5),
+                "s1": history(50.0, kv=0.5), "s2": history(50.0, kv=0.5)}
+    alone = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    assert sorted(a for a, e in alone.endpoints.items() if e.health == "STANDBY") == ["s1", "s2"]
+    guarded = QueueingPolicy(utilisation="kv", max_standby_share=STANDBY_WITH_FALLBACK)
+    w = compute_queueing_weights(inputs, readings, guarded, NOW, None)
+    healthy = sum(e.health == "HEALTHY" for e in w.endpoints.values())
+    assert healthy * 1.4 >= len(inputs)  # Envoy's priority load stays 100 % on the pool
+    config = Config.model_validate({"pools": [
+        {"name": "big", "model": "m", "fallback": "small",
+         "endpoints": [{"address": "127.0.0.1:8001"}]},
+        {"name": "small", "model": "s", "endpoints": [{"address": "127.0.0.1:8002"}]}]})
+    assert queueing_policy(config, config.pool("big")).max_standby_share == STANDBY_WITH_FALLBACK
+    assert queueing_policy(config, config.pool("small")).max_standby_share == 0.5

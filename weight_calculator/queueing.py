@@ -1,0 +1,429 @@
+"""Queueing weights: each endpoint's service rate, learnt from its own counters, and the
+traffic share that keeps the pool's waits short.
+
+Pure functions only: the caller passes the counter history (``readings``), ``now`` and the
+previous weights; nothing here reads a clock or does I/O. The one piece of memory, each
+endpoint's service-rate estimate, travels in the previous weights' ``breakdown``
+(``service_rate``), so the result depends on nothing but the arguments.
+
+Per endpoint, over the readings of the last ``window_seconds``:
+
+* **Work** is prompt plus generation tokens (``vllm:prompt_tokens_total`` +
+  ``vllm:generation_tokens_total``), the throughput ``X`` their delta over time.
+* **Service rate** ``mu``: the throughput *at the utilisation seen*. An interval between two
+  reads with requests waiting at both ends found the engine full, so what it did then is its
+  capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
+  the default). Any other interval only bounds ``mu`` from below (it did at least ``X``).
+  There is a measurement only once the window holds one horizon (``H``) of queued time.
+  ``utilisation: kv`` also counts unqueued intervals, scaled up by their mean KV use
+  (``sum(work) / sum(dt * u)``, intervals below ``min_utilisation`` skipped); measured on
+  the simulator it overestimates fast GPUs about twofold (throughput does not grow linearly
+  to a full KV cache), so it is not the default. The estimate is smoothed with
+  ``rate_alpha`` against the previous one and never below the window's throughput. Before
+  an endpoint has been measured the pool's prior applies: its KV capacity times the median
+  rate per KV token of the measured endpoints (or, when none is, its KV capacity alone: the
+  weights are then proportional to capacity, over ``1 + waiting``), at least its throughput.
+  Over-estimating an unmeasured endpoint corrects itself (it queues, and is measured);
+  under-estimating would not, which is why the prior is taken from measurements at capacity.
+* **Backlog** ``q = (waiting + in_flight_share * running) * c``, with ``c`` the pool's mean
+  work per finished request over the window: the queued and in-flight work ahead of a new
+  request (a running request is half done on average, ``in_flight_share`` 0.5). The
+  **predicted wait** ``W = q / mu`` is the time the endpoint needs to clear it; it is
+  reported in the breakdown. Counting in-flight work stops an open-loop balancer (round
+  robin) from piling requests onto one endpoint until its KV cache is full: measured, one
+  H100 reached 217 running requests at 99.5 % KV while its twin had 122, when only waiting
+  requests counted.
+
+The pool's arrival rate ``lam`` is the sum of the throughputs. The traffic share follows the
+square-root rule for parallel queues (the split that minimises the mean sojourn time of
+independent M/M/1 servers): ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu_j))`` with
+``M = sum(mu)``, endpoints whose ``r_i`` would be negative left out and the rest recomputed.
+Fast endpoints are loaded more than in proportion to their rate and a slow one only when the
+fast ones would otherwise queue. When the pool is overloaded (``lam >= M``) the share is
+proportional to ``mu``. Then the predicted wait discounts it, in units of the horizon over
+which the weight will hold (``H = horizon_seconds``, the telemetry interval): ``r_i = r_i /
+(1 + W_i / H)`` with ``W_i = q_i / mu_i``; ``target = max_weight * r_i / max r``, clamped to
+``[1, max_weight]``. A queue that a big GPU clears in a fraction of a tick costs it little; a
+small GPU whose queue means ten seconds loses nearly all of its share at once.
+
+An endpoint the square-root split leaves out (``r_i = 0``: the others serve this load with
+shorter waits) is put on **standby**: health ``STANDBY``, sent to Envoy as ``DRAINING``, so it
+gets no new requests rather than the 1 % that the weight floor of 1 would still send it (on
+the mixed workload that 1 % sent an L4 a 32k-token prompt every few minutes, and the chats
+queued behind it were a third of the slowest 3 %). It is back in service at the next tick
+the split includes it; never more than half of a pool is on standby (below that Envoy's
+panic threshold would ignore health anyway). ``standby: false`` keeps weight 1 instead.
+
+Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
+of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
+applies at once (an overloaded endpoint loses its traffic within one tick); a rise moves
+``rise_alpha`` of the way (a recovered endpoint is trusted gradually).
+
+Staleness, invalid inputs, fail-static and DEGRADED at ``kv_degraded`` behave exactly as in
+the composite policy (:mod:`weight_calculator.composite`, whose assessment this module
+reuses); readings need not be present (a server without the counters is weighted by its
+capacity prior and its queue).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from weight_calculator.composite import (
+    DEGRADED,
+    HEALTHY,
+    MIN_WEIGHT,
+    STALENESS_MODES,
+    CompositePolicy,
+    EndpointInput,
+    Staleness,
+    _assess,
+    _Assessed,
+    _fail_static,
+    _Plan,
+    _unusable_weight,
+)
+from weight_calculator.types import EndpointWeight, PoolWeights
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """One read of an endpoint's counters and gauges (cumulative counters, as exported)."""
+
+    at: float  # unix seconds of the read
+    requests_done: float | None  # finished requests (vllm:request_success_total)
+    tokens: float | None  # prompt + generation tokens computed
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float | None = None
+    prompt_tokens: float | None = None  # prefill tokens alone (vllm:prompt_tokens_total)
+
+    def work(self, kind: str) -> float | None:
+        """Cumulative work: ``tokens`` (prompt + generation) or ``prompt`` (prefill only)."""
+        return self.prompt_tokens if kind == "prompt" else self.tokens
+
+
+@dataclass(frozen=True)
+class QueueingPolicy:
+    """Knobs of the queueing policy (see the module docstring)."""
+
+    max_weight: int = 100
+    horizon_seconds: float = 2.0  # backlog drained over this; the caller passes the tick
+    window_seconds: float = 20.0  # readings used for the rates
+    rate_alpha: float = 0.5  # EWMA of the service-rate estimate
+    min_utilisation: float = 0.05  # intervals less busy than this say nothing about mu
+    deadband: float = 0.10  # relative: |target - previous| <= deadband * previous keeps it
+    rise_alpha: float = 0.5  # a rise moves this share of the way; a drop applies at once
+    kv_degraded: float = 0.95
+    staleness: Staleness = "saturated"
+    stale_after_seconds: float = 6.0
+    split: str = "square_root"  # or "proportional" (measured worse: docs/results/weights.md)
+    utilisation: str = "saturated"  # or "kv" (see the module docstring)
+    work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
+    in_flight_share: float = 0.5  # a running request's remaining work, in mean requests
+    standby: bool = True  # endpoints the split leaves out get no new requests (EDS DRAINING)
+    # At most this share of a pool on standby, else none is: 0.5 keeps it above Envoy's panic
+    # threshold; a pool with a fallback needs STANDBY_WITH_FALLBACK (see there).
+    max_standby_share: float = 0.5
+
+    def __post_init__(self) -> None:
+        checks = {
+            "split": self.split in ("proportional", "square_root"),
+            "utilisation": self.utilisation in ("saturated", "kv"),
+            "work": self.work in ("tokens", "prompt"),
+            "in_flight_share": 0 <= self.in_flight_share <= 1,
+            "max_standby_share": 0 <= self.max_standby_share <= 0.5,
+            "max_weight": self.max_weight >= MIN_WEIGHT,
+            "horizon_seconds": 0 < self.horizon_seconds < math.inf,
+            "window_seconds": 0 < self.window_seconds < math.inf,
+            "rate_alpha": 0 < self.rate_alpha <= 1,
+            "min_utilisation": 0 < self.min_utilisation <= 1,
+            "deadband": 0 <= self.deadband < 1,
+            "rise_alpha": 0 < self.rise_alpha <= 1,
+            "kv_degraded": 0 < self.kv_degraded <= 1,
+            "staleness": self.staleness in STALENESS_MODES,
+            "stale_after_seconds": 0 <= self.stale_after_seconds < math.inf,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"QueueingPolicy.{bad[0]} out of range: {getattr(self, bad[0])!r}")
+
+    def shared(self) -> CompositePolicy:
+        """The composite policy whose assessment (staleness, validation, fail-static) and
+        DEGRADED rule this policy shares."""
+        return CompositePolicy(memory_mix=1.0, queue_mix=1.0, latency_mix=0.0,
+                               queue_cap=1e18, max_weight=self.max_weight,
+                               kv_degraded=self.kv_degraded, staleness=self.staleness,
+                               stale_after_seconds=self.stale_after_seconds)
+
+
+# --- rates from readings ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """What an endpoint's readings in the window say."""
+
+    throughput: float | None  # work per second actually done (tokens/s); None: no counters
+    service_rate: float | None  # work per second at full utilisation; None: no evidence
+    work: float  # tokens done in the window
+    done: float  # requests finished in the window
+    saturated_seconds: float  # time with requests waiting at both ends of an interval
+
+
+def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv") -> float | None:
+    """1 when requests waited throughout; otherwise, in mode ``kv``, the mean KV use (None
+    when unknown), in mode ``saturated`` 0 (the interval only bounds the rate from below)."""
+    if a.waiting >= 1 and b.waiting >= 1:
+        return 1.0
+    if mode == "saturated":
+        return 0.0
+    if a.kv_usage is None or b.kv_usage is None:
+        return None
+    u = (a.kv_usage + b.kv_usage) / 2.0
+    return u if u >= floor else 0.0
+
+
+def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Rates:
+    """Throughput and utilisation-corrected service rate over ``policy.window_seconds``.
+
+    An interval whose counters went backwards (a restart) or whose clock did not advance is
+    skipped; so is one with too little utilisation to say anything about the rate."""
+    start = now - policy.window_seconds
+    kind = policy.work
+    points = sorted((r for r in readings if start <= r.at <= now and r.work(kind) is not None),
+                    key=lambda r: r.at)
+    span = work = done = busy = busy_work = saturated = 0.0
+    for a, b in zip(points, points[1:], strict=False):
+        dt = b.at - a.at
+        wa, wb = a.work(kind), b.work(kind)
+        assert wa is not None and wb is not None
+        d_work = wb - wa
+        d_done = (b.requests_done - a.requests_done
+                  if a.requests_done is not None and b.requests_done is not None else 0.0)
+        if dt <= 0 or d_work < 0 or d_done < 0:
+            continue
+        span += dt
+        work += d_work
+        done += d_done
+        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation)
+        if u == 1.0:
+            saturated += dt
+        if u:
+            busy += dt * u
+            busy_work += d_work
+    if span <= 0:
+        return Rates(None, None, 0.0, 0.0, 0.0)
+    # enough evidence: one horizon's worth of full-utilisation-equivalent busy time
+    enough = busy >= policy.horizon_seconds and busy_work > 0
+    service = busy_work / busy if enough else None
+    return Rates(work / span, service, work, done, saturated)
+
+
+# --- the pool's split ---------------------------------------------------------------------------
+
+
+def square_root_split(mu: Mapping[str, float], lam: float) -> dict[str, float]:
+    """Arrival rate per endpoint minimising the mean sojourn time of independent M/M/1
+    queues with service rates ``mu`` under total arrival rate ``lam``:
+    ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu))`` over the endpoints that keep a
+    positive share (the others get 0). Proportional to ``mu`` when ``lam >= M``."""
+    active = {a: m for a, m in mu.items() if m > 0}
+    total = sum(active.values())
+    if not active or lam >= total:
+        return {a: (m if m > 0 else 0.0) for a, m in mu.items()}
+    while True:
+        spare = sum(active.values()) - lam
+        roots = sum(math.sqrt(m) for m in active.values())
+        split = {a: m - math.sqrt(m) * spare / roots for a, m in active.items()}
+        dropped = [a for a, r in split.items() if r <= 0]
+        if not dropped or len(dropped) == len(split):
+            break
+        for a in dropped:
+            del active[a]
+    return {a: max(0.0, split.get(a, 0.0)) for a in mu}
+
+
+# --- weights ----------------------------------------------------------------------------------
+
+
+def _clamp(weight: float, policy: QueueingPolicy) -> int:
+    return int(max(MIN_WEIGHT, min(policy.max_weight, weight)))
+
+
+def smooth(target: int, previous: int | None, policy: QueueingPolicy) -> int:
+    """Relative deadband, drops at once, rises by ``rise_alpha``."""
+    if previous is None:
+        return _clamp(target, policy)
+    if abs(target - previous) <= policy.deadband * previous:
+        return _clamp(previous, policy)
+    if target < previous:
+        return _clamp(target, policy)
+    return _clamp(round(previous + policy.rise_alpha * (target - previous)), policy)
+
+
+@dataclass(slots=True)
+class _Estimate:
+    address: str
+    assessed: _Assessed
+    rates: Rates
+    service_rate: float | None  # smoothed, None until evidence
+    capacity: float | None
+
+
+def _service_rate(r: Rates, previous: EndpointWeight | None, policy: QueueingPolicy
+                  ) -> float | None:
+    prior = previous.breakdown.get("service_rate") if previous is not None else None
+    prior = prior if prior is not None and math.isfinite(prior) and prior > 0 else None
+    fresh = r.service_rate
+    if fresh is None:
+        estimate = prior
+    elif prior is None:
+        estimate = fresh
+    else:
+        estimate = policy.rate_alpha * fresh + (1.0 - policy.rate_alpha) * prior
+    if estimate is not None and r.throughput is not None and r.throughput > estimate:
+        estimate = r.throughput  # it did this much: its rate is at least that
+    return estimate
+
+
+def _rates_per_kv(estimates: Sequence[_Estimate]) -> float | None:
+    per_kv = [e.service_rate / e.capacity for e in estimates
+              if e.service_rate is not None and e.capacity]
+    return statistics.median(per_kv) if per_kv else None
+
+
+def _filled(estimates: Sequence[_Estimate]) -> dict[str, float]:
+    """Every usable endpoint's service rate: its own, else the prior (module docstring)."""
+    known_caps = [e.capacity for e in estimates if e.capacity]
+    typical = statistics.median(known_caps) if known_caps else 1.0
+    per_kv = _rates_per_kv(estimates)
+    out = {}
+    for e in estimates:
+        capacity = e.capacity or typical
+        if e.service_rate is not None:
+            out[e.address] = e.service_rate
+        elif per_kv is not None:
+            out[e.address] = max(per_kv * capacity, e.rates.throughput or 0.0)
+        else:
+            out[e.address] = capacity  # no rate anywhere yet: relative capacity
+    return out
+
+
+def _work_per_request(estimates: Sequence[_Estimate]) -> float | None:
+    work = sum(e.rates.work for e in estimates)
+    done = sum(e.rates.done for e in estimates)
+    return work / done if done > 0 and work > 0 else None
+
+
+# A pool with a fallback is an aggregate cluster's first priority: Envoy spills to the
+# fallback as soon as healthy hosts x the overprovisioning factor (1.4) fall below the pool,
+# and a DRAINING (standby) host is not healthy. Below 1 - 1/1.4 of a pool on standby nothing
+# spills, so a slow endpoint left idle never sends traffic to another model.
+STANDBY_WITH_FALLBACK = 1.0 - 1.0 / 1.4
+STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (no new requests)
+
+
+def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
+              previous: EndpointWeight | None, rated: bool, policy: QueueingPolicy,
+              standby: bool = False) -> EndpointWeight:
+    a = e.assessed
+    signals = a.signals
+    waiting = signals.get("queue", 0.0)
+    breakdown = {f"input.{k}": v for k, v in signals.items()}
+    breakdown.update({"throughput": e.rates.throughput or 0.0,
+                      "saturated_seconds": e.rates.saturated_seconds,
+                      "backlog": backlog, "predicted_wait_s": backlog / mu if mu > 0 else 0.0,
+                      "target_rate": share})
+    if rated:
+        breakdown["service_rate"] = mu
+    kv = signals.get("kv_usage")
+    if kv is not None and kv >= policy.kv_degraded:
+        weight, health, reason = MIN_WEIGHT, DEGRADED, (
+            f"degraded: kv_usage {kv:g} >= {policy.kv_degraded:g}")
+        breakdown["target_weight"] = float(MIN_WEIGHT)
+    elif standby:
+        weight, health = MIN_WEIGHT, STANDBY
+        reason = (f"{a.reason}; standby: the square-root split gives it no share at this load "
+                  f"(its rate {mu:.0f} tokens/s)")
+        breakdown["target_weight"] = float(MIN_WEIGHT)
+    else:
+        target = _clamp(round(policy.max_weight * share / top), policy) if top > 0 else (
+            policy.max_weight)
+        breakdown["target_weight"] = float(target)
+        prior = previous.weight if previous is not None else None
+        weight, health, reason = smooth(target, prior, policy), HEALTHY, a.reason
+        if waiting:
+            reason = f"{reason}; {waiting:g} waiting, predicted wait {breakdown['predicted_wait_s']:.1f}s"
+    breakdown["weight"] = float(weight)
+    return EndpointWeight(weight, a.last_failed, False, signals, a.updated_at, reason, health,
+                          breakdown)
+
+
+def compute_queueing_weights(
+    inputs: Mapping[str, EndpointInput],
+    readings: Mapping[str, Sequence[Reading]],
+    policy: QueueingPolicy,
+    now: float,
+    previous: PoolWeights | None,
+) -> PoolWeights:
+    """Weights for one pool (keyed like ``inputs``). Never raises.
+
+    ``readings`` holds each endpoint's recent counter reads (any order; those outside the
+    window are ignored; an endpoint may have none). ``previous`` is the last result for this
+    pool: it carries the service-rate estimates, the deadband's reference, ``hold`` and
+    fail-static. An empty pool yields no endpoints and ``fail_static=False``.
+    """
+    shared = policy.shared()
+    plan = _Plan.of(shared)
+    assessed = {address: _assess(inputs[address], shared, plan, now) for address in sorted(inputs)}
+    held = previous.endpoints if previous is not None else {}
+    usable = {address: a for address, a in assessed.items() if a.usable}
+    if assessed and not usable:
+        return _fail_static(assessed, held, shared)
+    estimates = []
+    for address, a in usable.items():
+        r = rates(readings.get(address, ()), now, policy)
+        estimates.append(_Estimate(address, a, r, _service_rate(r, held.get(address), policy),
+                                   a.capacity))
+    mu = _filled(estimates)
+    lam = sum(e.rates.throughput or 0.0 for e in estimates)
+    rated = any(e.service_rate is not None for e in estimates)
+    split_applied = policy.split == "square_root" and rated and lam > 0
+    split = square_root_split(mu, lam) if split_applied else dict(mu)
+    per_request = _work_per_request(estimates)
+    endpoints: dict[str, EndpointWeight] = {}
+    shares: dict[str, float] = {}
+    backlogs: dict[str, float] = {}
+    for e in estimates:
+        waiting = e.assessed.signals.get("queue", 0.0)
+        running = e.assessed.signals.get("running", 0.0)
+        if rated and per_request is not None:
+            # queued requests whole, running ones half done on average
+            backlogs[e.address] = (waiting + policy.in_flight_share * running) * per_request
+            wait = backlogs[e.address] / mu[e.address] if mu[e.address] > 0 else math.inf
+            shares[e.address] = split[e.address] / (1.0 + wait / policy.horizon_seconds)
+        else:  # no work counters: the queue alone, as 1 / (1 + waiting)
+            backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
+            shares[e.address] = split[e.address] / (1.0 + waiting)
+    top = max(shares.values(), default=0.0)
+    if top <= 0:  # every endpoint backlogged beyond its share: fall back to the rates
+        shares, top = dict(mu), max(mu.values(), default=0.0)
+    idle = {a for a, r in split.items() if r <= 0} if split_applied else set()
+    if len(idle) > policy.max_standby_share * len(estimates):  # keep the pool in service
+        idle = set()
+    for e in estimates:
+        endpoints[e.address] = _endpoint(e, mu[e.address], shares[e.address], top,
+                                         backlogs[e.address], held.get(e.address),
+                                         e.service_rate is not None, policy,
+                                         policy.standby and e.address in idle)
+    if len(endpoints) == len(assessed):
+        return PoolWeights(endpoints=endpoints, fail_static=False)
+    neutral = statistics.median_low([ew.weight for ew in endpoints.values()])
+    ordered = {address: endpoints[address] if a.usable
+               else _unusable_weight(a, held.get(address), neutral, shared)
+               for address, a in assessed.items()}
+    return PoolWeights(endpoints=ordered, fail_static=False)
