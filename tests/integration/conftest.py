@@ -237,6 +237,8 @@ def write_config(path: Path, fleet: BackendFleet, ports: dict[str, int]) -> dict
         "admin": {"address": f"127.0.0.1:{ports['admin']}"},
         "listener": {"address": f"127.0.0.1:{ports['listener']}"},
         "telemetry": {"interval_seconds": INTERVAL_S, "stale_after_seconds": STALE_AFTER_S},
+        # the stack's expected weights follow the seed's formula from the backends' pages
+        "weights": {"policy": "gpu_memory"},
         "pools": pools,
     }
     path.write_text(yaml.safe_dump(config, sort_keys=False))
