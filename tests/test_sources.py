@@ -121,12 +121,21 @@ def test_file_source_maps_addresses_and_rereads_every_tick(tmp_path: Path) -> No
 @pytest.mark.parametrize(("content", "message"), [
     ("- just\n- a list\n", "expected a mapping of address"),
     (None, "No such file"),
-    ("{unclosed: [", "while parsing"),
+    ("{unclosed: [", "invalid YAML at line"),
+    ("[" * 5000 + "]" * 5000, "nest"),  # yaml.safe_load: RecursionError, an uncaught crash
+    ('a: &a ["x","x","x","x","x","x","x","x","x","x"]\n' + "".join(
+        f"{chr(98 + i)}: &{chr(98 + i)} [{','.join([f'*{chr(97 + i)}'] * 10)}]\n"
+        for i in range(6)), "YAML nodes once aliases are expanded"),
+    (b"caf\xe9: {queue: 1}\n", "not UTF-8 at offset 3"),
 ])
-def test_unusable_file_fails_every_endpoint(tmp_path: Path, content: str | None,
+def test_unusable_file_fails_every_endpoint(tmp_path: Path, content: str | bytes | None,
                                             message: str) -> None:
+    """A broken or hostile file (nesting, alias bomb, not UTF-8) fails the reads with the
+    reason, within the config loader's bounds: never a crash of the tick."""
     path = tmp_path / "signals.yaml"
-    if content is not None:
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
         path.write_text(content)
     results = asyncio.run(FileSource(str(path)).collect(_endpoints("a:1", "b:1"), lambda: 5.0))
     assert set(results) == {"a:1", "b:1"}
