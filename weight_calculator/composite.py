@@ -484,12 +484,10 @@ def compute_composite_weights(
     EWMA, the deadband, ``staleness="hold"`` and fail-static. An empty pool yields no
     endpoints and ``fail_static=False``.
     """
-    plan = _Plan.of(policy)
-    assessed = {address: _assess(inputs[address], policy, plan, now) for address in sorted(inputs)}
-    held = previous.endpoints if previous is not None else {}
-    usable = {address: a for address, a in assessed.items() if a.usable}
-    if assessed and not usable:
-        return _fail_static(assessed, held, policy)
+    pool = assess_pool(inputs, policy, now, previous)
+    if pool.fail_static is not None:
+        return pool.fail_static
+    assessed, held, usable, plan = pool.assessed, pool.held, pool.usable, pool.plan
     top, typical = _capacity_scale(assessed, policy)
     endpoints = {
         address: _usable_weight(
@@ -501,13 +499,42 @@ def compute_composite_weights(
         )
         for address, a in usable.items()
     }
-    if len(endpoints) == len(assessed):  # already in address order
+    return complete_pool(pool, endpoints, policy)
+
+
+@dataclass(frozen=True)
+class PoolAssessment:
+    """One pool's endpoints after validation and the staleness check, in address order;
+    ``fail_static`` is set when none is usable. Shared by every policy built on this one."""
+
+    assessed: Mapping[str, _Assessed]
+    held: Mapping[str, EndpointWeight]  # the previous weights
+    usable: Mapping[str, _Assessed]
+    plan: _Plan
+    fail_static: PoolWeights | None
+
+
+def assess_pool(inputs: Mapping[str, EndpointInput], policy: CompositePolicy, now: float,
+                previous: PoolWeights | None) -> PoolAssessment:
+    plan = _Plan.of(policy)
+    assessed = {address: _assess(inputs[address], policy, plan, now) for address in sorted(inputs)}
+    held = previous.endpoints if previous is not None else {}
+    usable = {address: a for address, a in assessed.items() if a.usable}
+    frozen = _fail_static(assessed, held, policy) if assessed and not usable else None
+    return PoolAssessment(assessed, held, usable, plan, frozen)
+
+
+def complete_pool(pool: PoolAssessment, endpoints: Mapping[str, EndpointWeight],
+                  policy: CompositePolicy) -> PoolWeights:
+    """The usable endpoints' ``endpoints`` plus a weight for every unusable one (stale or
+    invalid, under ``policy.staleness``), in address order."""
+    if len(endpoints) == len(pool.assessed):  # already in address order
         return PoolWeights(endpoints=endpoints, fail_static=False)
     neutral = statistics.median_low([ew.weight for ew in endpoints.values()])
     ordered = {
         address: endpoints[address]
         if a.usable
-        else _unusable_weight(a, held.get(address), neutral, policy)
-        for address, a in assessed.items()
+        else _unusable_weight(a, pool.held.get(address), neutral, policy)
+        for address, a in pool.assessed.items()
     }
     return PoolWeights(endpoints=ordered, fail_static=False)

@@ -80,11 +80,9 @@ from weight_calculator.composite import (
     CompositePolicy,
     EndpointInput,
     Staleness,
-    _assess,
     _Assessed,
-    _fail_static,
-    _Plan,
-    _unusable_weight,
+    assess_pool,
+    complete_pool,
 )
 from weight_calculator.types import EndpointWeight, PoolWeights
 
@@ -378,12 +376,10 @@ def compute_queueing_weights(
     fail-static. An empty pool yields no endpoints and ``fail_static=False``.
     """
     shared = policy.shared()
-    plan = _Plan.of(shared)
-    assessed = {address: _assess(inputs[address], shared, plan, now) for address in sorted(inputs)}
-    held = previous.endpoints if previous is not None else {}
-    usable = {address: a for address, a in assessed.items() if a.usable}
-    if assessed and not usable:
-        return _fail_static(assessed, held, shared)
+    pool = assess_pool(inputs, shared, now, previous)
+    if pool.fail_static is not None:
+        return pool.fail_static
+    held, usable = pool.held, pool.usable
     estimates = []
     for address, a in usable.items():
         r = rates(readings.get(address, ()), now, policy)
@@ -420,10 +416,4 @@ def compute_queueing_weights(
                                          backlogs[e.address], held.get(e.address),
                                          e.service_rate is not None, policy,
                                          policy.standby and e.address in idle)
-    if len(endpoints) == len(assessed):
-        return PoolWeights(endpoints=endpoints, fail_static=False)
-    neutral = statistics.median_low([ew.weight for ew in endpoints.values()])
-    ordered = {address: endpoints[address] if a.usable
-               else _unusable_weight(a, held.get(address), neutral, shared)
-               for address, a in assessed.items()}
-    return PoolWeights(endpoints=ordered, fail_static=False)
+    return complete_pool(pool, endpoints, shared)

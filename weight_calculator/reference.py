@@ -12,7 +12,6 @@ deadband and no DEGRADED state: the formula's weight applies at once.
 
 from __future__ import annotations
 
-import statistics
 from collections.abc import Mapping
 
 from weight_calculator.composite import (
@@ -20,11 +19,9 @@ from weight_calculator.composite import (
     MIN_WEIGHT,
     CompositePolicy,
     EndpointInput,
-    _assess,
     _capacity_scale,
-    _fail_static,
-    _Plan,
-    _unusable_weight,
+    assess_pool,
+    complete_pool,
 )
 from weight_calculator.types import EndpointWeight, PoolWeights
 
@@ -44,15 +41,12 @@ def compute_reference_weights(inputs: Mapping[str, EndpointInput], policy: Compo
                              max_weight=policy.max_weight, kv_degraded=1.0,
                              staleness=policy.staleness,
                              stale_after_seconds=policy.stale_after_seconds)
-    plan = _Plan.of(shared)
-    assessed = {a: _assess(inputs[a], shared, plan, now) for a in sorted(inputs)}
-    held = previous.endpoints if previous is not None else {}
-    usable = {a: x for a, x in assessed.items() if x.usable}
-    if assessed and not usable:
-        return _fail_static(assessed, held, shared)
-    top, typical = _capacity_scale(assessed, shared)
+    pool = assess_pool(inputs, shared, now, previous)
+    if pool.fail_static is not None:
+        return pool.fail_static
+    top, typical = _capacity_scale(pool.assessed, shared)
     endpoints: dict[str, EndpointWeight] = {}
-    for address, x in usable.items():
+    for address, x in pool.usable.items():
         cap_norm = (x.capacity if x.capacity is not None else typical) / top
         kv, waiting = x.signals.get("kv_usage", 0.0), x.signals.get("queue", 0.0)
         weight = reference_weight(kv, waiting, cap_norm, shared.max_weight)
@@ -60,9 +54,4 @@ def compute_reference_weights(inputs: Mapping[str, EndpointInput], policy: Compo
                      "relative_capacity": cap_norm, "weight": float(weight)}
         endpoints[address] = EndpointWeight(weight, x.last_failed, False, x.signals,
                                             x.updated_at, x.reason, HEALTHY, breakdown)
-    if len(endpoints) == len(assessed):
-        return PoolWeights(endpoints=endpoints, fail_static=False)
-    neutral = statistics.median_low([ew.weight for ew in endpoints.values()])
-    return PoolWeights(endpoints={a: endpoints[a] if x.usable
-                                  else _unusable_weight(x, held.get(a), neutral, shared)
-                                  for a, x in assessed.items()}, fail_static=False)
+    return complete_pool(pool, endpoints, shared)
