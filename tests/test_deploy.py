@@ -913,16 +913,17 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
         names = [s["name"] for s in envoy.clusters_json().get("cluster_statuses", [])]
         return sorted(n for n in names if n != "xds_cluster")
 
-    def serials(envoy: EnvoyProcess) -> set[str]:
+    def serials(envoy: EnvoyProcess) -> set[int]:
+        # Envoy prints serials as hex zero-padded to whole bytes ("08ea…"): compare numbers
         certs = json.loads(envoy.admin_get("/certs"))["certificates"]
-        return {c["serial_number"] for cert in certs for c in cert.get("cert_chain", [])}
+        return {int(c["serial_number"], 16) for cert in certs for c in cert.get("cert_chain", [])}
 
-    def serial(files: Any) -> str:
+    def serial(files: Any) -> int:
         from cryptography import x509
 
-        return format(x509.load_pem_x509_certificate(files.cert_pem).serial_number, "x")
+        return int(x509.load_pem_x509_certificate(files.cert_pem).serial_number)
 
-    async def scenario() -> tuple[list[str], int, int, set[str], set[str]]:
+    async def scenario() -> tuple[list[str], int, int, set[int], set[int]]:
         credentials = server_credentials(str(server.cert), str(server.key), str(ca.path),
                                          config.xds.tls.require_client_cert)  # type: ignore[union-attr]
         grpc_server, port = await start_xds_server(XdsServicer(cache, guard=guard),
