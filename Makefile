@@ -22,11 +22,11 @@ test-fast: venv  ## unit tests only
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m xds_server.simdemo
+	$(PY) -m trimtab_dev.simdemo
 
 lint: venv
-	$(VENV)/bin/ruff check xds_server weight_calculator tests benchmarks
-	$(VENV)/bin/mypy xds_server weight_calculator
+	$(VENV)/bin/ruff check xds_server weight_calculator trimtab_dev tests benchmarks
+	$(VENV)/bin/mypy xds_server weight_calculator trimtab_dev
 
 bench: venv
 	$(PY) benchmarks/push_latency.py

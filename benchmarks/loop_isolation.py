@@ -196,9 +196,9 @@ def scenario_config(name: str, peers: int, xds: int, admin: int, listener: int
 
 
 async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
+    from trimtab_dev.envoy_process import free_port
     from xds_server.app import Trimtab
-    from xds_server.config import ConfigError, parse_config
-    from xds_server.envoy_process import free_port
+    from xds_server.config.schema import ConfigError, parse_config
 
     xds, admin = free_port(), free_port()
     try:
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _free() -> int:
-    from xds_server.envoy_process import free_port
+    from trimtab_dev.envoy_process import free_port
     return free_port()
 
 

@@ -34,7 +34,7 @@ from typing import Any
 
 from weight_calculator import composite
 from weight_calculator.types import PoolWeights
-from xds_server import promql
+from xds_server.telemetry import promql
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).parent / "results" / "promql_ingest.json"
@@ -102,7 +102,7 @@ def load_baseline(rev: str) -> tuple[ModuleType, ModuleType]:
     loaded = []
     for name, path in (
         ("baseline_composite", "weight_calculator/composite.py"),
-        ("baseline_promql", "xds_server/promql.py"),
+        ("baseline_promql", "xds_server/telemetry/promql.py"),
     ):
         source = subprocess.run(
             ["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True, text=True

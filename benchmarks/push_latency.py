@@ -37,11 +37,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trimtab_dev.demo_backend import DemoBackends
+from trimtab_dev.envoy_process import EnvoyProcess, envoy_binary, free_port, render_bootstrap
 from xds_server.app import Trimtab
-from xds_server.config import Config, parse_config
-from xds_server.demo_backend import DemoBackends
-from xds_server.envoy_process import EnvoyProcess, envoy_binary, free_port, render_bootstrap
-from xds_server.snapshot import Snapshot
+from xds_server.config.schema import Config, parse_config
+from xds_server.xds.snapshot import Snapshot
 
 POOL = "bench"
 MODEL = "bench/model"

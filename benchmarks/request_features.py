@@ -46,11 +46,11 @@ from google.protobuf import json_format
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from xds_server.config import Config, parse_config  # noqa: E402
-from xds_server.envoy_process import envoy_binary, free_port  # noqa: E402
-from xds_server.request_features import extra_clusters  # noqa: E402
-from xds_server.resources import build_clusters, build_load_assignment  # noqa: E402
-from xds_server.routing import build_listener, build_route_config  # noqa: E402
+from trimtab_dev.envoy_process import envoy_binary, free_port  # noqa: E402
+from xds_server.config.schema import Config, parse_config  # noqa: E402
+from xds_server.envoy.clusters import build_clusters, build_load_assignment  # noqa: E402
+from xds_server.envoy.request_features import extra_clusters  # noqa: E402
+from xds_server.envoy.routes import build_listener, build_route_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "request_features.json"
 VARIANTS = ["baseline", "generation", "modality", "versions", "classifier", "classifier-down"]

@@ -71,7 +71,7 @@ def start_server(endpoints: int, port: int) -> subprocess.Popen[bytes]:
 
 
 def make_config(endpoints: int, port: int, timeout: float) -> object:
-    from xds_server.config import parse_config
+    from xds_server.config.schema import parse_config
 
     eps = [{"address": f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}:8000",
             "metrics_url": f"http://127.0.0.1:{port}/metrics/{i}"} for i in range(endpoints)]
@@ -82,8 +82,8 @@ def make_config(endpoints: int, port: int, timeout: float) -> object:
 
 
 async def run_ticks(config: object, ticks: int) -> list[dict[str, float]]:
-    from xds_server.cache import SnapshotCache
-    from xds_server.controller import Controller
+    from xds_server.control.controller import Controller
+    from xds_server.xds.cache import SnapshotCache
 
     controller = Controller(config, SnapshotCache())  # type: ignore[arg-type]
     out = []
@@ -121,7 +121,7 @@ def main() -> int:
     parser.add_argument("--timeout", type=float, default=1.6)
     parser.add_argument("--out", default="benchmarks/results/scrape_ingest.json")
     args = parser.parse_args()
-    from xds_server.envoy_process import free_port
+    from trimtab_dev.envoy_process import free_port
 
     port = free_port()
     server = start_server(args.endpoints, port)

@@ -37,11 +37,11 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from tests.integration.conftest import TrimtabProcess  # noqa: E402
-from xds_server.envoy_process import EnvoyProcess, free_port, render_bootstrap  # noqa: E402
-from xds_server.loadgen.report import distribution  # noqa: E402
-from xds_server.loadgen.runner import RequestRecord, run_load  # noqa: E402
-from xds_server.loadgen.workload import parse_workload  # noqa: E402
-from xds_server.sim.fleet import SimFleet  # noqa: E402
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap  # noqa: E402
+from trimtab_dev.loadgen.report import distribution  # noqa: E402
+from trimtab_dev.loadgen.runner import RequestRecord, run_load  # noqa: E402
+from trimtab_dev.loadgen.workload import parse_workload  # noqa: E402
+from trimtab_dev.sim.fleet import SimFleet  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "tiers.json"
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"

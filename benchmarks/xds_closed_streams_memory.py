@@ -35,12 +35,12 @@ import grpc
 from envoy.service.discovery.v3 import discovery_pb2
 
 from benchmarks.xds_fanout import make_controller, snapshot_of, synthetic_config
-from xds_server import type_urls
-from xds_server.cache import SnapshotCache
-from xds_server.transport import XdsServicer, start_xds_server
+from xds_server.xds import type_urls
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.server import XdsServicer, start_xds_server
 
 try:  # issue 12's limits; absent on older code (then the run measures that code as it is)
-    from xds_server.protocol import StreamLimits
+    from xds_server.xds.protocol import StreamLimits
 except ImportError:  # pragma: no cover - only when benchmarking the code before the fix
     StreamLimits = None  # type: ignore[assignment,misc]
 

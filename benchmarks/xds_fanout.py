@@ -49,22 +49,22 @@ from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client import REGISTRY
 
 from benchmarks.fanout_client import ENVOY_MAX_RECEIVE, WorkerSpec, raise_fd_limit, worker_main
-from xds_server import type_urls
-from xds_server.cache import SnapshotCache
-from xds_server.config import Config, parse_config
-from xds_server.controller import Controller
-from xds_server.nack_log import NackLog
-from xds_server.protocol import DeltaStream, SotwStream
-from xds_server.resources import EndpointSetting
-from xds_server.security import (
+from xds_server.config.schema import Config, parse_config
+from xds_server.control.controller import Controller
+from xds_server.envoy.clusters import EndpointSetting
+from xds_server.security.guard import (
     NodeAuthorizer,
     RateLimiter,
     SnapshotViews,
     XdsGuard,
     server_options,
 )
-from xds_server.snapshot import Snapshot, build_snapshot
-from xds_server.transport import XdsServicer, encode_delta, encode_sotw, start_xds_server
+from xds_server.xds import type_urls
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.nacks import NackLog
+from xds_server.xds.protocol import DeltaStream, SotwStream
+from xds_server.xds.server import XdsServicer, encode_delta, encode_sotw, start_xds_server
+from xds_server.xds.snapshot import Snapshot, build_snapshot
 
 RESULTS = Path(__file__).resolve().parent / "results" / "xds_fanout.json"
 PROFILE_TXT = RESULTS.with_name("xds_fanout_profile.txt")

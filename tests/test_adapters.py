@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xds_server.adapters import (
+from xds_server.telemetry.parsers import (
     HistogramHistory,
     HistogramState,
     PageReading,
@@ -20,7 +20,7 @@ from xds_server.adapters import (
     screen_signals,
     windowed_mean,
 )
-from xds_server.telemetry import MetricsFormatError, parse_dcgm_memory
+from xds_server.telemetry.scrape import MetricsFormatError, parse_dcgm_memory
 
 FIXTURES = Path(__file__).parent / "fixtures" / "metrics"
 MODEL = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'

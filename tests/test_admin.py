@@ -11,16 +11,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest
 
 from tests.test_controller import CONFIG, FakeScraper
-from xds_server import type_urls as T
-from xds_server.admin import AdminApi
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.explain import explain_rows
-from xds_server.nack_log import NackLog
-from xds_server.protocol import SotwStream
-from xds_server.security import StreamAccess
-from xds_server.transport import StreamInfo, XdsServicer
+from xds_server.admin.api import AdminApi
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.control.explain import explain_rows
+from xds_server.security.guard import StreamAccess
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.nacks import NackLog
+from xds_server.xds.protocol import SotwStream
+from xds_server.xds.server import StreamInfo, XdsServicer
 
 
 def _setup():
@@ -169,7 +169,7 @@ NON_ASCII_AUTH = [b"Authorization: Bearer s3cr\xe9t-token", b"Authorization: Bea
 
 def test_non_ascii_authorization_gets_the_json_401_and_no_traceback(caplog):
     """Issue 12 §5: a non-ASCII byte in Authorization was a plain-text 500 and a traceback."""
-    from xds_server.admin import start_admin
+    from xds_server.admin.api import start_admin
 
     async def scenario():
         controller, servicer, nacks = _setup()
@@ -204,7 +204,7 @@ def test_non_ascii_authorization_gets_the_json_401_and_no_traceback(caplog):
 def test_other_hostile_bytes_get_a_4xx_and_no_traceback(caplog):
     """The same class of bug elsewhere: undecodable escapes in paths and queries, bytes that
     aiohttp cannot parse (these never reach a handler: 400, one log line, no traceback)."""
-    from xds_server.admin import start_admin
+    from xds_server.admin.api import start_admin
 
     auth = b"Authorization: Bearer " + TOKEN
     cases = [

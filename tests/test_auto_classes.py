@@ -6,12 +6,12 @@ import asyncio
 
 import pytest
 
-from xds_server import type_urls as T
-from xds_server.auto_classes import AutoClass, derive_classes, tiers
-from xds_server.cache import SnapshotCache
-from xds_server.config import ConfigError, parse_config
-from xds_server.controller import Controller
-from xds_server.telemetry import ScrapeResult
+from xds_server.config.schema import ConfigError, parse_config
+from xds_server.control.controller import Controller
+from xds_server.envoy.prompt_classes import AutoClass, derive_classes, tiers
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 H100, A100, L4 = 453_776.0, 167_184.0, 38_128.0  # the simulator's KV tokens (cache_config_info)
 HETERO = {"10.0.0.1:80": H100, "10.0.0.2:80": H100, "10.0.0.3:80": A100,

@@ -16,12 +16,12 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.support import Backend, VllmPage
-from xds_server.cache import SnapshotCache
-from xds_server.config import Config, parse_config
-from xds_server.controller import Controller
+from xds_server.config.schema import Config, parse_config
+from xds_server.control.controller import Controller
 from xds_server.keda import ExternalScalerServicer, metric_name
 from xds_server.keda import externalscaler_pb2 as pb2
-from xds_server.telemetry import ParsedPage, Scraper, ScrapeResult
+from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult
+from xds_server.xds.cache import SnapshotCache
 
 HOT, IDLE, DARK = "as-hot", "as-idle", "as-dark"  # unique pool names: the gauges are global
 ADDRESSES = {HOT: ["10.9.0.1:8000", "10.9.0.2:8000"], IDLE: ["10.9.1.1:8000"],

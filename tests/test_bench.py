@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import yaml
 
-from xds_server.bench import POLICIES, report
-from xds_server.bench.cli import main as bench_main
+from trimtab_dev.bench import POLICIES, report
+from trimtab_dev.bench.cli import main as bench_main
 
 
 def _summary(ttft_p99: float, tokens: float, errors: int = 0) -> dict[str, Any]:
@@ -77,8 +77,8 @@ def test_targets_are_unknown_when_a_policy_did_not_run() -> None:
 
 
 def test_fleet_homogeneity_is_detected_from_the_spec() -> None:
-    from xds_server.bench.cli import fleet_is_homogeneous
-    from xds_server.sim.fleet import load_fleet, parse_fleet
+    from trimtab_dev.bench.cli import fleet_is_homogeneous
+    from trimtab_dev.sim.fleet import load_fleet, parse_fleet
 
     assert not fleet_is_homogeneous(load_fleet("examples/fleet-hetero.yaml"))
     assert fleet_is_homogeneous(load_fleet("examples/fleet-homogeneous.yaml"))
@@ -92,9 +92,9 @@ def test_fleet_homogeneity_is_detected_from_the_spec() -> None:
 
 
 def test_targets_flag_overrides_detection(tmp_path: Path) -> None:
-    from xds_server.bench.cli import build_parser, settings_from
-    from xds_server.loadgen.workload import load_workload
-    from xds_server.sim.fleet import load_fleet
+    from trimtab_dev.bench.cli import build_parser, settings_from
+    from trimtab_dev.loadgen.workload import load_workload
+    from trimtab_dev.sim.fleet import load_fleet
 
     w = load_workload("examples/workload-mixed.yaml")
     homog = load_fleet("examples/fleet-homogeneous.yaml")
@@ -176,7 +176,7 @@ def test_a_tiny_run_produces_a_table_json_and_png_for_every_policy(tmp_path: Pat
 
 
 def _fleet() -> Any:
-    from xds_server.bench.runner import Fleet, FleetServer
+    from trimtab_dev.bench.runner import Fleet, FleetServer
     servers = [FleetServer("h100-0", "H100-80G", "127.0.0.1:1", 453776),
                FleetServer("a100-0", "A100-40G", "127.0.0.1:2", 167184),
                FleetServer("l4-0", "L4-24G", "127.0.0.1:3", 38128)]
@@ -184,8 +184,8 @@ def _fleet() -> Any:
 
 
 def test_long_context_pool_takes_the_servers_whose_kv_holds_the_longest_requests() -> None:
-    from xds_server.bench.cli import long_context_for
-    from xds_server.loadgen.workload import load_workload
+    from trimtab_dev.bench.cli import long_context_for
+    from trimtab_dev.loadgen.workload import load_workload
     w = load_workload("examples/workload-mixed.yaml")  # longest request: 32000 + 512 tokens
     assert long_context_for(_fleet(), w, 0) is None
     eight = long_context_for(_fleet(), w, 8192)
@@ -196,8 +196,8 @@ def test_long_context_pool_takes_the_servers_whose_kv_holds_the_longest_requests
 
 
 def test_trimtab_config_with_a_long_context_class_validates() -> None:
-    from xds_server.bench.envoy_configs import LongContext, trimtab_config
-    from xds_server.config import parse_config
+    from trimtab_dev.bench.envoy_configs import LongContext, trimtab_config
+    from xds_server.config.schema import parse_config
     doc = trimtab_config(model="m", addresses=["127.0.0.1:1", "127.0.0.1:2"], xds_port=1,
                          admin_port=2, listener_port=3,
                          long_context=LongContext(32768, ("127.0.0.1:1",)))
@@ -246,9 +246,9 @@ def test_envoy_cswrr_uses_the_simulators_orca_reports(tmp_path: Path) -> None:
     when Envoy parsed the simulator's ``endpoint-load-metrics`` header."""
     import asyncio
 
-    from xds_server.bench.envoy_configs import CLUSTER, static_bootstrap
-    from xds_server.envoy_process import EnvoyProcess, free_port
-    from xds_server.sim.fleet import SimFleet
+    from trimtab_dev.bench.envoy_configs import CLUSTER, static_bootstrap
+    from trimtab_dev.envoy_process import EnvoyProcess, free_port
+    from trimtab_dev.sim.fleet import SimFleet
 
     seen: list[dict[str, int]] = []
 
@@ -328,7 +328,7 @@ def test_sim_summary_reports_peak_and_mean_in_flight() -> None:
 
 
 def test_seeds_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from xds_server.bench.cli import build_parser, seed_dirs
+    from trimtab_dev.bench.cli import build_parser, seed_dirs
 
     assert build_parser().parse_args(["--out", "x", "--seeds", "42,1,2"]).seeds == (42, 1, 2)
     for bad in ("1,1", "a,b", ""):
@@ -352,11 +352,11 @@ def test_the_reference_policy_is_exactly_the_issues_formula() -> None:
     EWMA, no deadband) and the other signals."""
     import itertools
 
+    from trimtab_dev.bench import reference
+    from trimtab_dev.bench.envoy_configs import trimtab_config
     from weight_calculator.types import Observation, Sample
-    from xds_server.bench import reference
-    from xds_server.bench.envoy_configs import trimtab_config
-    from xds_server.config import parse_config
-    from xds_server.weighing import LatencyWindow, cluster_weights
+    from xds_server.config.schema import parse_config
+    from xds_server.control.weights import LatencyWindow, cluster_weights
 
     caps = {"127.0.0.1:1": 453776.0, "127.0.0.1:2": 167184.0, "127.0.0.1:3": 38128.0}
     config = parse_config(trimtab_config(model="m", addresses=list(caps), xds_port=1,
@@ -388,7 +388,7 @@ def test_the_reference_policy_is_exactly_the_issues_formula() -> None:
 def test_inflight_series_and_the_per_policy_plot(tmp_path: Path) -> None:
     """bench.png gets one row per policy: Envoy's weight per host and each server's
     running + waiting over time (the simulator's samples)."""
-    from xds_server.bench.report import inflight_series, write_png
+    from trimtab_dev.bench.report import inflight_series, write_png
 
     samples = [(float(t), {"servers": {"h100": {"running": t, "waiting": 0, "kv_usage": 0.1},
                                        "l4": {"running": 2, "waiting": t % 3,

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from trimtab_dev.envoy_process import free_port
 from xds_server import __version__
 from xds_server.cli import EXIT_BAD_INPUT, main
-from xds_server.envoy_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "local.yaml"
@@ -244,7 +244,7 @@ def test_serve_with_a_missing_admin_token_file_exits_2(tmp_path: Path,
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "config.yaml"
     missing = tmp_path / "no-such-token"
-    from xds_server.envoy_process import free_port
+    from trimtab_dev.envoy_process import free_port
     path.write_text(f"xds: {{address: '127.0.0.1:{free_port()}'}}\n"
                     f"admin: {{address: '127.0.0.1:{free_port()}', "
                     f"auth: {{token_file: '{missing}'}}}}\n" + POOL)

@@ -16,12 +16,12 @@ from prometheus_client import REGISTRY
 
 from tests.support.backends import serve_pages
 from tests.xds_fixtures import cluster
-from xds_server import controller as controller_module
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.telemetry import ScrapeResult, too_many_series
+from xds_server.config.schema import parse_config
+from xds_server.control import controller as controller_module
+from xds_server.control.controller import Controller
+from xds_server.telemetry.scrape import ScrapeResult, too_many_series
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 CONFIG = parse_config({
     "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},

@@ -14,16 +14,16 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY, generate_latest
 
-from xds_server import type_urls as T
-from xds_server.admin import AdminApi
+from xds_server.admin.api import AdminApi
 from xds_server.app import Trimtab, restart_only_changes
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.discovery import Discovery
-from xds_server.k8s_discovery import DiscoveredEndpoint
-from xds_server.rollout import load_state
-from xds_server.telemetry import ScrapeResult
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.control.discovery.kubernetes import DiscoveredEndpoint
+from xds_server.control.discovery.merge import Discovery
+from xds_server.control.rollouts.machine import load_state
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 
 class AnyFleet:

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from tests.xds_fixtures import BASE, snapshot
-from xds_server import metrics
-from xds_server import type_urls as T
-from xds_server.convergence import Convergence, StreamConvergence
+from xds_server.admin import metrics
+from xds_server.xds import type_urls as T
+from xds_server.xds.convergence import Convergence, StreamConvergence
 
 
 def _count(api: str) -> float:

@@ -18,14 +18,13 @@ import pytest
 
 from tests.support.fake_kube import FakeKube
 from tests.test_rollouts_controller import CANARY, STABLE, Feed, GoodTracker, page, split
-from xds_server import rollout
-from xds_server.admin import AdminApi
-from xds_server.cache import SnapshotCache
-from xds_server.config import ConfigError, parse_config
-from xds_server.controller import Controller
-from xds_server.coordination import CoordinatedRollouts, warn_deprecated_drive
-from xds_server.leader import LeaderState, LeaseElector, coordination_api_client
-from xds_server.rollout import (
+from xds_server.admin.api import AdminApi
+from xds_server.config.schema import ConfigError, parse_config
+from xds_server.control.controller import Controller
+from xds_server.control.coordination import CoordinatedRollouts, warn_deprecated_drive
+from xds_server.control.leader import LeaderState, LeaseElector, coordination_api_client
+from xds_server.control.rollouts import machine as rollout
+from xds_server.control.rollouts.machine import (
     ABORTED,
     PROGRESSING,
     PROMOTED,
@@ -33,13 +32,14 @@ from xds_server.rollout import (
     from_json,
     load_state,
 )
-from xds_server.rollout_store import (
+from xds_server.control.rollouts.state import (
     STATE_KEY,
     WRITER_ANNOTATION,
     ConfigMapStateStore,
     FileStateStore,
     StateConflict,
 )
+from xds_server.xds.cache import SnapshotCache
 
 NS, CM = "trimtab", "trimtab-rollouts"
 

@@ -1,4 +1,4 @@
-"""`python -m xds_server.demo`: the documented layout, port overrides, and a short real run."""
+"""`python -m trimtab_dev.demo`: the documented layout, port overrides, and a short real run."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from xds_server.demo import DEFAULT_CONFIG, build_parser, prepare_layout
-from xds_server.envoy_process import free_port
+from trimtab_dev.demo import DEFAULT_CONFIG, build_parser, prepare_layout
+from trimtab_dev.envoy_process import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\s*\d+\.\ds((?: \|\s+\d+\.\d%\s+\d+\*?\s+\d+\s+\d+%){3})\s+\(\d+ req\)$")
@@ -25,7 +25,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _demo(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "xds_server.demo", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trimtab_dev.demo", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, check=False)
 
 

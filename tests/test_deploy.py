@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from xds_server.config import load_config, parse_config, parse_host_port
-from xds_server.envoy_process import EnvoyError, validate_config
-from xds_server.security import load_token
+from trimtab_dev.envoy_process import EnvoyError, validate_config
+from xds_server.config.schema import load_config, parse_config, parse_host_port
+from xds_server.security.guard import load_token
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -570,9 +570,9 @@ def test_deployed_admin_api_closes_mutations_without_the_token_and_serves_scrape
 
     from aiohttp.test_utils import TestClient, TestServer
 
-    from xds_server.admin import AdminApi
-    from xds_server.cache import SnapshotCache
-    from xds_server.controller import Controller
+    from xds_server.admin.api import AdminApi
+    from xds_server.control.controller import Controller
+    from xds_server.xds.cache import SnapshotCache
 
     config = trimtab_config()
 
@@ -782,7 +782,7 @@ def test_mtls_overlay_envoy_certificate_proves_exactly_its_node_cluster():
     proves node cluster trimtab-envoy, whatever pod name is the node id, and nothing else."""
     from envoy.config.core.v3.base_pb2 import Node
 
-    from xds_server.security import NodeAuthorizer, san_binding
+    from xds_server.security.guard import NodeAuthorizer, san_binding
 
     rendered = render(MTLS)
     config = _mtls_trimtab_config(rendered)
@@ -881,9 +881,9 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
 
     from tests.support.certs import TestCA
     from tests.test_security import CONFIG, published, with_free_listener
-    from xds_server.envoy_process import EnvoyProcess, free_port
-    from xds_server.security import NodeAuthorizer, XdsGuard, server_credentials
-    from xds_server.transport import XdsServicer, start_xds_server
+    from trimtab_dev.envoy_process import EnvoyProcess, free_port
+    from xds_server.security.guard import NodeAuthorizer, XdsGuard, server_credentials
+    from xds_server.xds.server import XdsServicer, start_xds_server
 
     rendered = render(MTLS)
     config = _mtls_trimtab_config(rendered)

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 
 from tests.support.fake_kube import FakeKube, endpoint, endpoint_slice
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.discovery import Discovery
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.control.discovery.merge import Discovery
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 
 def _config(host: str):

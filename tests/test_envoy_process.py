@@ -14,7 +14,7 @@ import pytest
 import yaml
 
 from tests.support import BackendFleet
-from xds_server.envoy_process import (
+from trimtab_dev.envoy_process import (
     EnvoyProcess,
     XdsApi,
     envoy_binary,
@@ -153,7 +153,7 @@ def test_top_level_bootstrap_validates_and_matches_the_local_example() -> None:
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range() -> None:
     import socket
 
-    from xds_server.envoy_process import _ephemeral_range, free_port
+    from trimtab_dev.envoy_process import _ephemeral_range, free_port
     low, high = _ephemeral_range()
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50

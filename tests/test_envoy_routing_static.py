@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from tests.support import BackendFleet
-from xds_server.envoy_process import EnvoyProcess, free_port, validate_config
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, validate_config
 
 pytestmark = pytest.mark.slow
 

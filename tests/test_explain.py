@@ -9,8 +9,8 @@ import time
 import pytest
 from aiohttp import web
 
-from xds_server.config import parse_config
-from xds_server.explain import collect_rows, explain
+from xds_server.config.schema import parse_config
+from xds_server.control.explain import collect_rows, explain
 
 STATIC = parse_config({
     "telemetry": {"source": "static"},

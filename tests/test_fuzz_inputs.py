@@ -16,9 +16,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xds_server.adapters import parse_page
-from xds_server.config import ConfigError, load_config, parse_config
-from xds_server.telemetry import MetricsFormatError
+from xds_server.config.schema import ConfigError, load_config, parse_config
+from xds_server.telemetry.parsers import parse_page
+from xds_server.telemetry.scrape import MetricsFormatError
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,

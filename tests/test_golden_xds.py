@@ -22,11 +22,11 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import Config, parse_config
-from xds_server.controller import Controller
-from xds_server.telemetry import Scraper
+from xds_server.config.schema import Config, parse_config
+from xds_server.control.controller import Controller
+from xds_server.telemetry.scrape import Scraper
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 ROOT = Path(__file__).resolve().parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "golden_xds.json"

@@ -10,14 +10,14 @@ from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from xds_server.cache import SnapshotCache
-from xds_server.grpc_extras import (
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.health import (
     HEALTH_SERVICE_NAME,
     XDS_SERVICE_NAMES,
     add_health_and_reflection,
     set_serving,
 )
-from xds_server.transport import XdsServicer
+from xds_server.xds.server import XdsServicer
 
 ADS = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 

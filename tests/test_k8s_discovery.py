@@ -14,7 +14,7 @@ import pytest
 from kubernetes.client.models import V1EndpointSlice
 
 from tests.support.fake_kube import FakeKube, endpoint, endpoint_slice
-from xds_server.k8s_discovery import (
+from xds_server.control.discovery.kubernetes import (
     Backoff,
     DiscoveredEndpoint,
     EndpointSliceWatcher,
@@ -23,7 +23,7 @@ from xds_server.k8s_discovery import (
     merge_endpoints,
     watch_endpoint_slices,
 )
-from xds_server.resources import DRAINING, HEALTHY
+from xds_server.envoy.clusters import DRAINING, HEALTHY
 
 SERVICE = "llm"
 FAST = Backoff(base_s=0.01, cap_s=0.05)

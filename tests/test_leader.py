@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from tests.support.fake_kube import FakeKube
-from xds_server.envoy_process import free_port
-from xds_server.leader import LEADER, LeaseElector, coordination_api_client
+from trimtab_dev.envoy_process import free_port
+from xds_server.control.leader import LEADER, LeaseElector, coordination_api_client
 
 NS, NAME = "trimtab", "trimtab-leader"
 LEASE_S, RENEW_S, DEADLINE_S = 3, 0.5, 2.0

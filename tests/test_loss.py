@@ -11,11 +11,11 @@ import pytest
 
 from weight_calculator.loss import hold_on_loss, on_tick_clock, pool_lost, tick_fresh
 from weight_calculator.types import EndpointWeight, Observation, PoolWeights, Sample
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.telemetry import ScrapeResult
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 NOW = 1_700_000_000.0
 INTERVAL, STALE_AFTER = 2.0, 6.0  # the defaults

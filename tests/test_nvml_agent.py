@@ -20,9 +20,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xds_server.adapters import parse_page
 from xds_server.cli import main
-from xds_server.nvml_agent import (
+from xds_server.telemetry.nvml_agent import (
     GpuStat,
     NvmlUnavailable,
     PynvmlReader,
@@ -31,7 +30,8 @@ from xds_server.nvml_agent import (
     serve_agent,
     start_agent,
 )
-from xds_server.telemetry import MetricsFormatError, parse_dcgm_memory
+from xds_server.telemetry.parsers import parse_page
+from xds_server.telemetry.scrape import MetricsFormatError, parse_dcgm_memory
 
 H100 = GpuStat(0, "GPU-9c1e6a7d-0000", "NVIDIA H100 80GB HBM3", 20000.0, 61559.0, 35.0)
 L4 = GpuStat(1, "GPU-9c1e6a7d-0001", "NVIDIA L4", 18000.0, 4563.0, 97.0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from xds_server.promql import (
+from xds_server.telemetry.promql import (
     Answer,
     PromQLError,
     PromQLResult,
@@ -370,8 +370,8 @@ def test_an_endless_answer_stops_at_the_limit_not_the_timeout() -> None:
 def test_an_oversized_answer_leaves_its_endpoints_without_telemetry() -> None:
     """Through the source a pool uses: the only query fails, so every endpoint's read is an
     error (it goes stale), saying why."""
-    from xds_server.config import parse_config
-    from xds_server.sources import PrometheusSource
+    from xds_server.config.schema import parse_config
+    from xds_server.telemetry.sources import PrometheusSource
 
     async def scenario() -> dict[str, object]:
         runner, url, _ = await _oversized_prometheus()

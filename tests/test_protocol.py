@@ -7,8 +7,8 @@ from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, Disc
 from google.rpc import status_pb2
 
 from tests.xds_fixtures import BASE, snapshot
-from xds_server import type_urls as T
-from xds_server.protocol import (
+from xds_server.xds import type_urls as T
+from xds_server.xds.protocol import (
     MAX_REJECTED_VERSIONS,
     MAX_RESOURCE_NAMES,
     RESPONSE_HEADROOM,
@@ -23,7 +23,7 @@ from xds_server.protocol import (
     StreamLimits,
     Withheld,
 )
-from xds_server.transport import encode_delta, encode_sotw
+from xds_server.xds.server import encode_delta, encode_sotw
 
 
 def sotw(type_url: str, names=(), nonce: str = "", version: str = "", error: str | None = None,

@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.xds_fixtures import snapshot
-from xds_server import type_urls as T
-from xds_server.protocol import (
+from xds_server.xds import type_urls as T
+from xds_server.xds.protocol import (
     RESPONSE_HEADROOM,
     DeltaStream,
     Nack,
@@ -28,7 +28,7 @@ from xds_server.protocol import (
     SotwStream,
     StreamLimits,
 )
-from xds_server.transport import encode_delta, encode_sotw
+from xds_server.xds.server import encode_delta, encode_sotw
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 TYPES = [T.CLUSTER, T.ENDPOINT, T.LISTENER, T.ROUTE, ""]

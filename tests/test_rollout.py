@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from xds_server.config import GateConfig, RolloutConfig
-from xds_server.rollout import (
+from xds_server.config.schema import GateConfig, RolloutConfig
+from xds_server.control.rollouts.machine import (
     ABORTED,
     HISTORY_LIMIT,
     PAUSED,

@@ -8,11 +8,9 @@ import logging
 from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from prometheus_client import REGISTRY
 
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import RolloutsConfig, parse_config
-from xds_server.controller import Controller
-from xds_server.rollout import (
+from xds_server.config.schema import RolloutsConfig, parse_config
+from xds_server.control.controller import Controller
+from xds_server.control.rollouts.machine import (
     HISTORY_LIMIT,
     PROGRESSING,
     PROMOTED,
@@ -20,8 +18,10 @@ from xds_server.rollout import (
     VersionStats,
     load_state,
 )
-from xds_server.rollouts import Rollouts
-from xds_server.telemetry import ScrapeResult
+from xds_server.control.rollouts.runner import Rollouts
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 STABLE, CANARY = "10.0.0.1:80", "10.0.0.2:80"
 

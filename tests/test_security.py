@@ -28,13 +28,10 @@ from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
 
 from tests.support.certs import CertFiles, TestCA
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import Config, ListenerConfig, parse_config
-from xds_server.controller import Controller
-from xds_server.envoy_process import EnvoyProcess, free_port
-from xds_server.protocol import DeltaStream, SotwStream
-from xds_server.security import (
+from trimtab_dev.envoy_process import EnvoyProcess, free_port
+from xds_server.config.schema import Config, ListenerConfig, parse_config
+from xds_server.control.controller import Controller
+from xds_server.security.guard import (
     Decision,
     Denied,
     NodeAuthorizer,
@@ -55,9 +52,12 @@ from xds_server.security import (
     server_credentials,
     server_options,
 )
-from xds_server.snapshot import Snapshot, check_consistency
-from xds_server.telemetry import ScrapeResult
-from xds_server.transport import StreamInfo, XdsServicer, start_xds_server
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.protocol import DeltaStream, SotwStream
+from xds_server.xds.server import StreamInfo, XdsServicer, start_xds_server
+from xds_server.xds.snapshot import Snapshot, check_consistency
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy-bootstrap-mtls.yaml"

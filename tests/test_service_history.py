@@ -7,12 +7,12 @@ import asyncio
 
 from envoy.config.cluster.v3 import cluster_pb2
 
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.service_history import ServiceHistory, reading_from_signals
-from xds_server.telemetry import ScrapeResult
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.telemetry.counters import ServiceHistory, reading_from_signals
+from xds_server.telemetry.scrape import ScrapeResult
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
 
 
 def test_readings_carry_work_counters_and_gauges() -> None:
@@ -83,7 +83,7 @@ def test_a_config_naming_neither_gets_queueing_weights_and_least_request() -> No
 
 
 def test_a_standby_endpoint_is_draining_in_eds() -> None:
-    from xds_server.controller import _eds_health
+    from xds_server.control.controller import _eds_health
 
     assert _eds_health("STANDBY") == "DRAINING"
     assert _eds_health("DEGRADED") == "DEGRADED" and _eds_health("STALE") == "HEALTHY"

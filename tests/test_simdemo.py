@@ -1,4 +1,4 @@
-"""`python -m xds_server.simdemo` (`make demo`): the matched-window arithmetic (fast) and a tiny
+"""`python -m trimtab_dev.simdemo` (`make demo`): the matched-window arithmetic (fast) and a tiny
 real run (slow: the simulated fleet, Envoy and trimtab) that must print the table and the
 summaries and leave no process behind."""
 
@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from xds_server.bench.runner import LoadPlan, LoadRun
-from xds_server.loadgen.runner import RequestRecord
-from xds_server.simdemo import envoy_host_requests, window
+from trimtab_dev.bench.runner import LoadPlan, LoadRun
+from trimtab_dev.loadgen.runner import RequestRecord
+from trimtab_dev.simdemo import envoy_host_requests, window
 
 ROOT = Path(__file__).resolve().parents[1]
 ENDPOINTS = ("h100-0", "h100-1", "a100-0", "a100-1", "l4-0", "l4-1")  # fleet-hetero.yaml
@@ -75,7 +75,7 @@ def _alive(pid: int) -> bool:
 
 
 def _run_demo(timeout: float) -> tuple[subprocess.CompletedProcess[str], float, int]:
-    cmd = [sys.executable, "-m", "xds_server.simdemo", "--plain", "--duration", "8",
+    cmd = [sys.executable, "-m", "trimtab_dev.simdemo", "--plain", "--duration", "8",
            "--compare-duration", "5", "--rate", "2", "--warmup", "2", "--tail", "6"]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from xds_server.config import GateConfig
-from xds_server.rollout import gate_breach
-from xds_server.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
+from xds_server.config.schema import GateConfig
+from xds_server.control.rollouts.machine import gate_breach
+from xds_server.control.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
 
 
 def vllm_page(ttft: dict[str, int], finished: int, errors: int = 0) -> str:

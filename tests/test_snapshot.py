@@ -10,10 +10,11 @@ from envoy.config.endpoint.v3.endpoint_pb2 import ClusterLoadAssignment
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryResponse, DiscoveryResponse
 
 from tests.xds_fixtures import BASE, cla, cluster, listener, routes, snapshot
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.protocol import Response
-from xds_server.snapshot import (
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.protocol import Response
+from xds_server.xds.server import encode_delta, encode_sotw
+from xds_server.xds.snapshot import (
     EMPTY_TYPE_VERSION,
     MAX_SUBSET_BYTES,
     InconsistentSnapshotError,
@@ -23,7 +24,6 @@ from xds_server.snapshot import (
     subset_entry_bytes,
     type_version,
 )
-from xds_server.transport import encode_delta, encode_sotw
 
 
 def test_same_inputs_same_versions_and_order_does_not_matter():

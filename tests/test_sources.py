@@ -11,11 +11,11 @@ import pytest
 from aiohttp import web
 
 from tests.support.backends import BackendFleet, VllmPage, serve_pages, vllm_text
-from xds_server.cache import SnapshotCache
-from xds_server.config import EndpointConfig, parse_config
-from xds_server.controller import Controller
-from xds_server.sources import FileSource, PrometheusSource, ScrapeSource
-from xds_server.telemetry import Scraper, ScrapeResult
+from xds_server.config.schema import EndpointConfig, parse_config
+from xds_server.control.controller import Controller
+from xds_server.telemetry.scrape import Scraper, ScrapeResult
+from xds_server.telemetry.sources import FileSource, PrometheusSource, ScrapeSource
+from xds_server.xds.cache import SnapshotCache
 
 TIMEOUT = 0.5
 

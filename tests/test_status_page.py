@@ -27,16 +27,16 @@ from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
 from tests.test_controller import FakeScraper
-from xds_server import type_urls as T
-from xds_server.admin import AdminApi, weights_document
-from xds_server.cache import SnapshotCache
-from xds_server.config import parse_config
-from xds_server.controller import Controller
-from xds_server.history import WeightHistory
-from xds_server.nack_log import NackLog
-from xds_server.protocol import Nack, SotwStream
-from xds_server.status_page import add_status_routes, read_asset
-from xds_server.transport import StreamInfo, XdsServicer
+from xds_server.admin.api import AdminApi, weights_document
+from xds_server.admin.history import WeightHistory
+from xds_server.admin.status_page import add_status_routes, read_asset
+from xds_server.config.schema import parse_config
+from xds_server.control.controller import Controller
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.nacks import NackLog
+from xds_server.xds.protocol import Nack, SotwStream
+from xds_server.xds.server import StreamInfo, XdsServicer
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 
 from weight_calculator.types import Observation, Sample
-from xds_server import telemetry
-from xds_server.telemetry import (
+from xds_server.telemetry import scrape as telemetry
+from xds_server.telemetry.scrape import (
     MetricsFormatError,
     Scraper,
     ScrapeResult,

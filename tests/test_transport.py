@@ -22,14 +22,14 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 )
 
 from tests.xds_fixtures import BASE, snapshot
-from xds_server import metrics, transport
-from xds_server import type_urls as T
+from xds_server.admin import metrics
 from xds_server.app import Trimtab
-from xds_server.cache import SnapshotCache
-from xds_server.config import ConfigError, parse_config
-from xds_server.protocol import RESPONSE_HEADROOM, StreamLimits
-from xds_server.snapshot import build_snapshot
-from xds_server.transport import (
+from xds_server.config.schema import ConfigError, parse_config
+from xds_server.xds import server as transport
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.protocol import RESPONSE_HEADROOM, StreamLimits
+from xds_server.xds.server import (
     INBOX_LIMIT,
     HeapTrimmer,
     Inbox,
@@ -37,6 +37,7 @@ from xds_server.transport import (
     held_names,
     start_xds_server,
 )
+from xds_server.xds.snapshot import build_snapshot
 
 
 async def _with_server(body, channel_options: list[tuple[str, int]] | None = None,

@@ -22,7 +22,7 @@ from weight_calculator.composite import (
     compute_composite_weights,
 )
 from weight_calculator.types import EndpointWeight, PoolWeights
-from xds_server.adapters import page_signals
+from xds_server.telemetry.parsers import page_signals
 
 NOW = 1_700_000_000.0
 POLICY = CompositePolicy()

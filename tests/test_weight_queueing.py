@@ -282,8 +282,8 @@ def test_a_pool_with_a_fallback_never_puts_enough_on_standby_to_spill() -> None:
     """Envoy spills an aggregate cluster's pool to its fallback once healthy hosts x 1.4 fall
     short of the pool: 2 of 4 on standby would send ~30 % of requests to the fallback model."""
     from weight_calculator.queueing import STANDBY_WITH_FALLBACK
-    from xds_server.config import Config
-    from xds_server.weighing import queueing_policy
+    from xds_server.config.schema import Config
+    from xds_server.control.weights import queueing_policy
 
     inputs = {"h1": inp(kv=0.5, capacity=400_000.0), "h2": inp(kv=0.5, capacity=400_000.0),
               "s1": inp(kv=0.5, capacity=10_000.0), "s2": inp(kv=0.5, capacity=10_000.0)}

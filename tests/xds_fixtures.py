@@ -10,8 +10,8 @@ from envoy.extensions.filters.network.http_connection_manager.v3 import (
     http_connection_manager_pb2 as hcm_pb2,
 )
 
-from xds_server import type_urls
-from xds_server.snapshot import Snapshot, build_snapshot
+from xds_server.xds import type_urls
+from xds_server.xds.snapshot import Snapshot, build_snapshot
 
 
 def cluster(name: str) -> cluster_pb2.Cluster:

@@ -11,20 +11,16 @@ import grpc
 from aiohttp import web
 from grpc_health.v1.health import aio as health_aio
 
-from .admin import AdminApi, start_admin, weights_document
-from .cache import SnapshotCache
-from .config import Config, ConfigError, load_config
-from .controller import Controller
-from .coordination import kubernetes_rollouts, warn_deprecated_drive
-from .discovery import Discovery
-from .grpc_extras import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
-from .history import WeightHistory
-from .keda.scaler import ExternalScalerServicer, start_scaler_server
-from .leader import LeaseElector
-from .listen import listening
-from .nack_log import NackLog
-from .protocol import StreamLimits
-from .security import (
+from xds_server.admin.api import AdminApi, start_admin, weights_document
+from xds_server.admin.history import WeightHistory
+from xds_server.config.schema import Config, ConfigError, load_config
+from xds_server.control.controller import Controller
+from xds_server.control.coordination import kubernetes_rollouts, warn_deprecated_drive
+from xds_server.control.discovery.merge import Discovery
+from xds_server.control.leader import LeaseElector
+from xds_server.keda.scaler import ExternalScalerServicer, start_scaler_server
+from xds_server.listen import listening
+from xds_server.security.guard import (
     NodeAuthorizer,
     RateLimiter,
     SnapshotViews,
@@ -33,7 +29,11 @@ from .security import (
     server_credentials,
     server_options,
 )
-from .transport import XdsServicer, start_xds_server
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.health import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
+from xds_server.xds.nacks import NackLog
+from xds_server.xds.protocol import StreamLimits
+from xds_server.xds.server import XdsServicer, start_xds_server
 
 log = logging.getLogger("trimtab")
 

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
-from . import __version__
-from .config import ConfigError, HostPort, load_config
-from .listen import CannotListen
-from .rollout import RolloutStateError
+from xds_server import __version__
+from xds_server.config.schema import ConfigError, HostPort, load_config
+from xds_server.control.rollouts.machine import RolloutStateError
+from xds_server.listen import CannotListen
 
 if TYPE_CHECKING:
-    from .nvml_agent import GpuReader
+    from xds_server.telemetry.nvml_agent import GpuReader
 
 EXIT_BAD_INPUT = 2
 
@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, summary) in _DELEGATED.items():
         sub.add_parser(name, help=f"{summary} (see `trimtab {name} --help`)", add_help=False)
+    for name, target in sorted(_plugins().items()):
+        sub.add_parser(name, help=f"development tool {target.partition(':')[0]} "
+                                  f"(see `trimtab {name} --help`)", add_help=False)
     serve = sub.add_parser("serve", help="run the control plane in the foreground")
     serve.add_argument("--config", required=True, help="path to the YAML config")
     validate = sub.add_parser("validate", help="check a config; exit 2 naming what is wrong")
@@ -93,7 +96,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
-    from .app import Trimtab
+    from xds_server.app import Trimtab
 
     config = load_config(args.config)
     try:
@@ -135,7 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_weights(args: argparse.Namespace) -> int:
-    from .explain import explain
+    from xds_server.control.explain import explain
 
     try:
         config = load_config(args.config)
@@ -147,8 +150,8 @@ def cmd_weights(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from .config import parse_host_port
-    from .nvml_agent import NvmlUnavailable, PynvmlReader
+    from xds_server.config.schema import parse_host_port
+    from xds_server.telemetry.nvml_agent import NvmlUnavailable, PynvmlReader
 
     try:
         where = parse_host_port(args.listen)
@@ -173,7 +176,7 @@ def cmd_agent(args: argparse.Namespace) -> int:
 
 async def _agent(reader: GpuReader, host: str, port: int) -> None:
     """Serve until SIGTERM or SIGINT (when run in the main thread) or cancellation."""
-    from .nvml_agent import serve_agent
+    from xds_server.telemetry.nvml_agent import serve_agent
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -198,7 +201,7 @@ class AdminTarget:
 def _admin_target(args: argparse.Namespace) -> AdminTarget:
     """Where the admin API is and its token: from --admin, --config or the default. Raises
     ConfigError for a bad config or an unreadable token (admin.auth.token_file/token_env)."""
-    from .security import load_token
+    from xds_server.security.guard import load_token
 
     if args.admin:
         return AdminTarget(args.admin.rstrip("/"), None)
@@ -250,20 +253,34 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 
 
 _DELEGATED = {
-    "sim": ("xds_server.sim.cli", "run the LLM fleet simulator (vLLM-compatible servers)"),
-    "load": ("xds_server.loadgen.cli", "drive an open-loop LLM workload at a URL"),
-    "bench": ("xds_server.bench.cli", "compare balancing policies through a real Envoy"),
     "classify": ("xds_server.classify", "serve the intent classifier (Envoy ext_proc, gRPC)"),
 }
+PLUGIN_GROUP = "trimtab.commands"  # development tools (trimtab_dev) register sim, load, bench
+
+
+def _plugins() -> dict[str, str]:
+    """Commands other installed packages add (name -> "module:function"); the product names
+    none of them, so it never imports the development tools."""
+    from importlib.metadata import entry_points
+
+    return {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)
+            if ep.name not in _DELEGATED}
+
+
+def _run_plugin(target: str, argv: list[str]) -> int:
+    import importlib
+
+    module, _, function = target.partition(":")
+    return int(getattr(importlib.import_module(module), function or "main")(argv))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
-        import importlib
-
-        module = importlib.import_module(_DELEGATED[argv[0]][0])
-        return int(module.main(argv[1:]))
+        return _run_plugin(_DELEGATED[argv[0]][0], argv[1:])
+    plugins = _plugins() if argv and not argv[0].startswith("-") else {}
+    if argv and argv[0] in plugins:
+        return _run_plugin(plugins[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout,

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from envoy.config.endpoint.v3 import endpoint_pb2
 from google.protobuf.message import Message
 
-from . import type_urls
+from xds_server.xds import type_urls
 
 
 def invalid_weight_mutator(pool: str) -> Callable[[dict[str, list[Message]]], None]:

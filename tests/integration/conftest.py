@@ -28,7 +28,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import BackendFleet
-from xds_server.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
+from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
 
 T = TypeVar("T")
 

@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from google.protobuf import json_format
 
-from xds_server.config import parse_config
-from xds_server.envoy_process import EnvoyProcess, free_port
-from xds_server.routing import build_listener, build_route_config
+from trimtab_dev.envoy_process import EnvoyProcess, free_port
+from xds_server.config.schema import parse_config
+from xds_server.envoy.routes import build_listener, build_route_config
 
 pytestmark = pytest.mark.slow
 

@@ -21,8 +21,8 @@ from tests.integration.conftest import TrimtabProcess, wait_for
 from tests.integration.test_routing_features import Traffic
 from tests.support import BackendFleet, VllmPage
 from tests.support.fake_kube import FakeKube
-from xds_server.envoy_process import EnvoyProcess, free_port, render_bootstrap
-from xds_server.rollout import from_json
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
+from xds_server.control.rollouts.machine import from_json
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ import yaml
 
 from tests.integration.conftest import TrimtabProcess, wait_for
 from tests.support import BackendFleet
-from xds_server.envoy_process import EnvoyProcess, free_port, render_bootstrap
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
 

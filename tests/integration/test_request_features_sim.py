@@ -15,10 +15,10 @@ import pytest
 import yaml
 
 from tests.integration.conftest import TrimtabProcess
-from xds_server.envoy_process import EnvoyProcess, free_port, render_bootstrap
-from xds_server.loadgen.runner import run_load
-from xds_server.loadgen.workload import parse_workload
-from xds_server.sim.fleet import SimFleet
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
+from trimtab_dev.loadgen.runner import run_load
+from trimtab_dev.loadgen.workload import parse_workload
+from trimtab_dev.sim.fleet import SimFleet
 
 pytestmark = pytest.mark.slow
 

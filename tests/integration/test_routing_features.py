@@ -29,8 +29,8 @@ import yaml
 
 from tests.integration.conftest import TrimtabProcess, http_json, parse_metric, wait_for
 from tests.support import BackendFleet, VllmPage
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 from xds_server.cli import EXIT_BAD_INPUT, main
-from xds_server.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
 

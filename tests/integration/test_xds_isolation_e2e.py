@@ -48,18 +48,18 @@ from tests.integration.conftest import (
     write_config,
 )
 from tests.support import BackendFleet
-from xds_server import type_urls as T
-from xds_server.cache import SnapshotCache
-from xds_server.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
-from xds_server.protocol import Response
-from xds_server.snapshot import Snapshot, build_snapshot
-from xds_server.transport import (
+from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
+from xds_server.xds import type_urls as T
+from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.protocol import Response
+from xds_server.xds.server import (
     StreamInfo,
     XdsServicer,
     encode_delta,
     encode_sotw,
     start_xds_server,
 )
+from xds_server.xds.snapshot import Snapshot, build_snapshot
 
 pytestmark = pytest.mark.slow
 

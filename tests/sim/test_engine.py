@@ -6,14 +6,14 @@ import random
 
 import pytest
 
-from xds_server.sim.engine import (
+from trimtab_dev.sim.engine import (
     Engine,
     ManualClock,
     SimRequest,
     estimate_capacity,
     run_virtual,
 )
-from xds_server.sim.profiles import (
+from trimtab_dev.sim.profiles import (
     A100_40G,
     GPUS,
     H100_80G,

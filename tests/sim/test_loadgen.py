@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from xds_server.loadgen import cli
-from xds_server.loadgen.report import distribution, percentile, summarize, sweep_report
-from xds_server.loadgen.runner import SseParser, run_load
-from xds_server.loadgen.workload import (
+from trimtab_dev.loadgen import cli
+from trimtab_dev.loadgen.report import distribution, percentile, summarize, sweep_report
+from trimtab_dev.loadgen.runner import SseParser, run_load
+from trimtab_dev.loadgen.workload import (
     WorkloadError,
     arrival_times,
     build_schedule,
@@ -20,7 +20,7 @@ from xds_server.loadgen.workload import (
     parse_workload,
     request_body,
 )
-from xds_server.sim.fleet import SimFleet
+from trimtab_dev.sim.fleet import SimFleet
 
 BASE: dict[str, Any] = {
     "name": "t", "seed": 5, "rate": 40, "duration_s": 0.5, "endpoint": "completions",
@@ -106,7 +106,7 @@ def test_sse_parser_follows_the_spec() -> None:
     (b'{"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7}}', (False, 7)),
 ])
 def test_chunk_text_detection(payload: bytes, expected: tuple[bool, int | None]) -> None:
-    from xds_server.loadgen.runner import _event_text_and_usage
+    from trimtab_dev.loadgen.runner import _event_text_and_usage
 
     assert _event_text_and_usage(payload) == expected
 
@@ -215,8 +215,8 @@ def _virtual_in_flight(fleet_path: Path, w: Any, until: float, since: float) -> 
     import heapq
     import random
 
-    from xds_server.sim.engine import Engine, ManualClock, SimRequest
-    from xds_server.sim.fleet import expand, load_fleet
+    from trimtab_dev.sim.engine import Engine, ManualClock, SimRequest
+    from trimtab_dev.sim.fleet import expand, load_fleet
 
     clock, pick = ManualClock(), random.Random(1)
     engines = [Engine(c.gpu, c.model, c.efficiency, clock=clock, max_model_len=c.max_model_len)

@@ -12,8 +12,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from xds_server.sim.fleet import FleetError, SimFleet, parse_fleet
-from xds_server.sim.server import ORCA_HEADER
+from trimtab_dev.sim.fleet import FleetError, SimFleet, parse_fleet
+from trimtab_dev.sim.server import ORCA_HEADER
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 SPEC = {
@@ -159,7 +159,7 @@ def test_metrics_parse_and_carry_every_name() -> None:
 
 
 def test_metrics_page_reads_through_trimtab_adapter() -> None:
-    from xds_server.adapters import parse_page
+    from xds_server.telemetry.parsers import parse_page
 
     async def scenario(fleet: SimFleet, s: aiohttp.ClientSession) -> tuple[str, int]:
         async with s.get(fleet.urls["l"] + "/metrics") as resp:
@@ -285,7 +285,7 @@ def test_fleet_spec_validation() -> None:
 def test_example_fleets_load() -> None:
     from pathlib import Path
 
-    from xds_server.sim.fleet import expand, load_fleet
+    from trimtab_dev.sim.fleet import expand, load_fleet
 
     root = Path(__file__).resolve().parents[2] / "examples"
     hetero = [c.gpu.name for c in expand(load_fleet(root / "fleet-hetero.yaml"))]
@@ -341,8 +341,8 @@ def test_the_official_openai_client_parses_the_stream(chat: bool) -> None:
 
 
 def test_a_server_may_override_the_fleets_efficiency_and_defaults_do_not_change() -> None:
-    from xds_server.sim.fleet import expand
-    from xds_server.sim.profiles import Efficiency
+    from trimtab_dev.sim.fleet import expand
+    from trimtab_dev.sim.profiles import Efficiency
 
     plain = expand(parse_fleet({"servers": [{"name": "h", "gpu": "H100-80G"}]}))
     assert plain[0].efficiency == Efficiency()  # no override: the profile's defaults
@@ -352,7 +352,7 @@ def test_a_server_may_override_the_fleets_efficiency_and_defaults_do_not_change(
     h, low = expand(spec)
     assert h.efficiency.mfu == 0.08 and h.efficiency.step_overhead_s == 0.001  # merged
     assert low.efficiency == Efficiency(step_overhead_s=0.001)  # the fleet's
-    from xds_server.sim.fleet import load_fleet
+    from trimtab_dev.sim.fleet import load_fleet
 
     prefill = expand(load_fleet("examples/fleet-hetero-prefill-heavy.yaml"))
     per_token = {c.gpu.name: 2 * c.model.params / (c.gpu.peak_flops * c.efficiency.mfu)

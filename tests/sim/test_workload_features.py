@@ -6,15 +6,15 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from xds_server.loadgen.workload import (
+from trimtab_dev.loadgen.workload import (
     build_schedule,
     load_workload,
     parse_workload,
     request_body,
     request_streams,
 )
-from xds_server.sim.fleet import load_fleet
-from xds_server.sim.profiles import GPUS, MODELS, kv_capacity_tokens
+from trimtab_dev.sim.fleet import load_fleet
+from trimtab_dev.sim.profiles import GPUS, MODELS, kv_capacity_tokens
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 BASE = {"rate": 5, "duration_s": 20, "seed": 3,

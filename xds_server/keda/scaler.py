@@ -31,8 +31,8 @@ from typing import Protocol
 
 import grpc
 
-from . import externalscaler_pb2 as pb2
-from . import externalscaler_pb2_grpc as pb2_grpc
+from xds_server.keda import externalscaler_pb2 as pb2
+from xds_server.keda import externalscaler_pb2_grpc as pb2_grpc
 
 log = logging.getLogger("trimtab.keda")
 
@@ -193,7 +193,7 @@ async def start_scaler_server(
     """Serve ``servicer`` on ``address`` (port 0 picks a free port); returns (server, port).
 
     ``configure`` runs before the server starts, e.g. to add health and reflection with
-    `xds_server.grpc_extras.add_health_and_reflection`. SO_REUSEPORT is off, so a port
+    `xds_server.xds.health.add_health_and_reflection`. SO_REUSEPORT is off, so a port
     already in use raises OSError instead of silently sharing it with another process.
     """
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])

@@ -1,0 +1,240 @@
+"""Admin HTTP API (aiohttp): health, readiness, metrics and the weights trimtab holds.
+
+Loopback by default. Errors are JSON with a proper status code.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from weight_calculator.types import EndpointWeight
+from xds_server.admin.history import WeightHistory
+from xds_server.admin.status_page import add_status_routes
+from xds_server.config.schema import EndpointConfig
+from xds_server.control.controller import Controller
+from xds_server.control.explain import breakdown_document
+from xds_server.control.rollouts.machine import RolloutCommandError
+from xds_server.control.rollouts.runner import RolloutPersistError
+from xds_server.control.rollouts.state import StateStoreError
+from xds_server.security.guard import bearer_middleware
+from xds_server.test_hooks import invalid_weight_mutator
+from xds_server.xds import type_urls
+from xds_server.xds.nacks import NackLog
+from xds_server.xds.server import XdsServicer
+
+log = logging.getLogger("trimtab.admin")
+
+TEST_HOOKS_ENV = "TRIMTAB_TEST_HOOKS"
+ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
+
+
+def weights_document(controller: Controller) -> dict[str, Any]:
+    """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at, the
+    input problems and the breakdown `trimtab weights` shows."""
+    pools: dict[str, Any] = {}
+    for pool in controller.config.pools:
+        endpoints = {}
+        for cluster, version, members in pool.clusters():
+            computed = controller.weights.get(cluster)
+            for endpoint in members:
+                ew = computed.endpoints.get(endpoint.address) if computed else None
+                endpoints[endpoint.address] = _endpoint_document(endpoint, ew, cluster, version)
+        pools[pool.name] = endpoints
+    fail_static = sorted(p for p, w in controller.weights.items() if w.fail_static)
+    return {"pools": pools, "fail_static_pools": fail_static}
+
+
+def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, cluster: str,
+                       version: str) -> dict[str, Any]:
+    return {
+        "weight": ew.weight if ew else 1,
+        "stale": ew.stale if ew else True,
+        "saturated": ew.saturated if ew else True,
+        "drain": endpoint.drain,
+        "signals": dict(ew.signals) if ew else {},
+        "updated_at": ew.updated_at if ew else None,
+        "reason": ew.reason if ew else "no telemetry yet",
+        "cluster": cluster,
+        "version": version,
+        "health": ew.health if ew else "STALE",
+        "problems": list(ew.problems) if ew else [],
+        "breakdown": breakdown_document(endpoint, ew),
+    }
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(data, indent=1, sort_keys=True), status=status,
+                        content_type="application/json")
+
+
+def json_error(status: int, message: str) -> web.Response:
+    return _json({"error": {"status": status, "message": message}}, status)
+
+
+@web.middleware
+async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                  ) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        return json_error(exc.status, exc.reason)
+    except Exception:  # noqa: BLE001 - report, never crash the admin server
+        log.exception("admin request %s failed", request.path)
+        return json_error(500, "internal error; see the trimtab log")
+
+
+def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
+    """Per connected stream: node (as its first request claimed it), peer and certificate
+    identities, API, and per type what was sent and ACKed."""
+    streams = []
+    for info in sorted(servicer.streams if servicer else [], key=lambda i: (i.node_id, i.peer)):
+        types = {}
+        for type_url, state in sorted(info.machine.types.items()):
+            types[type_urls.short_name(type_url)] = {
+                "acked_version": state.acked_version,
+                "pending_nonce": state.pending_nonce,
+                "wildcard": state.wildcard,
+                "resources": dict(sorted(state.sent.items())),
+            }
+        streams.append({"node": info.node_id, "peer": info.peer,
+                        "identities": info.identities, "api": info.api,
+                        "service": info.service, "types": types})
+    return {"streams": streams}
+
+
+class AdminApi:
+    def __init__(self, controller: Controller, is_ready: Callable[[], bool],
+                 servicer: XdsServicer | None = None, nacks: NackLog | None = None,
+                 history: WeightHistory | None = None, token: str | None = None,
+                 protect_reads: bool = False) -> None:
+        self.controller = controller
+        self.token = token
+        self.protect_reads = protect_reads
+        self.is_ready = is_ready
+        self.servicer = servicer
+        self.nacks = nacks
+        self.history = history if history is not None else WeightHistory()
+        self._injected: set[str] = set()  # test hooks: pools with an injected invalid CLA
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
+                                           _errors])
+        app.router.add_get("/healthz", self.healthz)
+        app.router.add_get("/readyz", self.readyz)
+        app.router.add_get("/metrics", self.metrics)
+        app.router.add_get("/v1/weights", self.weights)
+        app.router.add_get("/v1/snapshot", self.snapshot)
+        app.router.add_get("/v1/nacks", self.nack_list)
+        app.router.add_get("/v1/config", self.effective_config)
+        app.router.add_get("/v1/rollouts", self.rollout_list)
+        app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
+        if os.environ.get(TEST_HOOKS_ENV) == "1":
+            log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
+            app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
+        add_status_routes(app, self.history)
+        return app
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        ready = self.is_ready()
+        return _json({"ready": ready, "ticks": self.controller.stats.ticks,
+                      "snapshot": getattr(self.controller.cache.snapshot, "version", None),
+                      "leader": self.controller.rollouts.leader_document()},
+                     200 if ready else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def weights(self, request: web.Request) -> web.Response:
+        return _json(weights_document(self.controller))
+
+    async def snapshot(self, request: web.Request) -> web.Response:
+        current = self.controller.cache.snapshot
+        document = snapshot_document(self.servicer)
+        document["current"] = ({"version": current.version, "types": {
+            type_urls.short_name(t): {"version": current.versions[t], "resources": {
+                name: res.version for name, res in current.of_type(t).items()}}
+            for t in current.resources}} if current is not None else None)
+        return _json(document)
+
+    async def nack_list(self, request: web.Request) -> web.Response:
+        return _json({"total": self.nacks.total if self.nacks else 0,
+                      "recent": self.nacks.recent() if self.nacks else []})
+
+    async def effective_config(self, request: web.Request) -> web.Response:
+        return _json(self.controller.config.model_dump(mode="json"))
+
+    async def rollout_list(self, request: web.Request) -> web.Response:
+        return _json({"rollouts": self.controller.rollouts.document(),
+                      "leader": self.controller.rollouts.leader_document()})
+
+    async def rollout_command(self, request: web.Request) -> web.Response:
+        pool, action = request.match_info["pool"], request.match_info["action"]
+        if pool not in self.controller.rollouts.pools:
+            return json_error(404, f"no rollout for pool {pool!r} (a pool needs `versions`)")
+        if not self.controller.rollouts.drive:
+            return json_error(409, self.controller.rollouts.refusal())
+        try:
+            state = await self.controller.rollouts.acommand(pool, action,
+                                                            self.controller.clock())
+        except RolloutCommandError as exc:
+            return json_error(409 if action in ROLLOUT_ACTIONS else 400, str(exc))
+        except RolloutPersistError as exc:  # ours/the environment's: nothing was changed
+            log.error("rollout command %s %s refused: %s", action, pool, exc)
+            return json_error(500, f"{exc}; the command was not applied")
+        except StateStoreError as exc:  # the API server's or the disk's: nothing changed
+            log.error("rollout command %s %s not applied: %s", action, pool, exc)
+            return json_error(503, f"{exc}; the command was not applied")
+        self.controller.set_canary_percent(self.controller.rollouts.percents())
+        self.controller.publish()
+        return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
+                      "phase": state.phase, "percent": state.percent})
+
+    async def inject_invalid(self, request: web.Request) -> web.Response:
+        """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""
+        body = await request.json()
+        pool = str(body.get("pool", ""))
+        if pool not in {p.name for p in self.controller.config.pools}:
+            return json_error(404, f"unknown pool {pool!r}")
+        self._injected.discard(pool)
+        if body.get("enabled"):
+            self._injected.add(pool)
+        self.controller.mutators[:] = [invalid_weight_mutator(p) for p in sorted(self._injected)]
+        published = self.controller.publish()
+        return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
+
+
+class _ClientErrorsInOneLine(logging.Filter):
+    """aiohttp logs a request it cannot parse (a bad header byte, a duplicate Host) at ERROR
+    with a traceback, per request: the client's fault, so one INFO line without one."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "bad HTTP request from %s: %s", (
+                record.args[0] if isinstance(record.args, tuple) and record.args else "?",
+                " ".join(str(exc.message).split())[:200])
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
+HTTP_LOG = logging.getLogger("trimtab.admin.http")
+HTTP_LOG.addFilter(_ClientErrorsInOneLine())
+
+
+async def start_admin(api: AdminApi, host: str, port: int) -> web.AppRunner:
+    runner = web.AppRunner(api.app(), access_log=None, logger=HTTP_LOG)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,1 @@
+"""The config contract: YAML in, a frozen, validated `Config` out."""

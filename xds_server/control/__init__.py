@@ -1,0 +1,1 @@
+"""The control loop: the tick, weights, rollouts, autoscaling, discovery, leader election."""

@@ -1,0 +1,1 @@
+"""Where pool endpoints come from besides the config: Kubernetes EndpointSlices."""

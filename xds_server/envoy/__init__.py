@@ -1,0 +1,1 @@
+"""Envoy resources built from config and weights: clusters, endpoints, listener, routes."""

@@ -1,0 +1,1 @@
+"""Security of the xDS port and the admin API: TLS, identity, authorisation, limits."""

@@ -1,0 +1,1 @@
+"""Telemetry: reading model-server and GPU pages (scrape, PromQL, static) into readings."""

@@ -1,0 +1,1 @@
+"""The xDS protocol: snapshots, the cache, the sans-IO stream, encoding, the gRPC pump."""
