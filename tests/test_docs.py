@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 import xds_server.app  # noqa: F401  (registers trimtab serve's metrics)
 import xds_server.classify  # noqa: F401  (registers trimtab classify's metrics)
-from xds_server.config import Config
+from xds_server.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -106,3 +106,13 @@ def test_every_relative_link_in_readme_and_docs_resolves() -> None:
                 broken.append(f"{page.name}: {target} (no such heading)")
     assert checked > 50
     assert broken == []
+
+
+SOURCE_PATH = re.compile(
+    r"\b(?:xds_server|trimtab_dev|weight_calculator|tests|examples|deploy)/[\w./-]*\w")
+
+
+def test_every_source_path_named_in_readme_and_docs_exists() -> None:
+    named = {p for page in _pages() for p in SOURCE_PATH.findall(page.read_text())}
+    assert "xds_server/xds/protocol.py" in named
+    assert sorted(p for p in named if not (ROOT / p).exists()) == []
