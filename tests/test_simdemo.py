@@ -13,15 +13,17 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from trimtab_dev.bench.runner import LoadPlan, LoadRun
 from trimtab_dev.loadgen.runner import RequestRecord
-from trimtab_dev.simdemo import envoy_host_requests, window
+from trimtab_dev.simdemo import envoy_host_requests, status_banner, window
 
 ROOT = Path(__file__).resolve().parents[1]
 ENDPOINTS = ("h100-0", "h100-1", "a100-0", "a100-1", "l4-0", "l4-1")  # fleet-hetero.yaml
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\d+|-)\s+(\d+|-)\s+(\d+%|-)\s+(.+?)\s+(\S+%) \((\d+)\)$")
 PIDS = re.compile(r"^(\S+): pids (.+?);")
+STATUS = re.compile(r"^>>> trimtab's live status page: (http://127\.0\.0\.1:(\d+)/) ")
 
 
 def _record(index: int, scheduled: float, e2e: float | None, error: str | None = None
@@ -51,6 +53,12 @@ def test_envoy_host_requests_reads_rq_total_of_the_fleet_cluster() -> None:
     assert envoy_host_requests(doc) == {"127.0.0.1:2": 7, "127.0.0.1:3": 0}
 
 
+def test_the_status_banner_names_the_address_on_a_line_of_its_own() -> None:
+    lines = status_banner("http://127.0.0.1:40123/").splitlines()
+    found = [m for m in map(STATUS.match, lines) if m]
+    assert [m.group(1) for m in found] == ["http://127.0.0.1:40123/"]
+
+
 def _group_members(pgid: int) -> list[str]:
     """Command lines of the live processes in process group ``pgid``."""
     out = []
@@ -74,9 +82,10 @@ def _alive(pid: int) -> bool:
     return stat[0] != "Z"
 
 
-def _run_demo(timeout: float) -> tuple[subprocess.CompletedProcess[str], float, int]:
+def _run_demo(timeout: float, logs: Path) -> tuple[subprocess.CompletedProcess[str], float, int]:
     cmd = [sys.executable, "-m", "trimtab_dev.simdemo", "--plain", "--duration", "8",
-           "--compare-duration", "5", "--rate", "2", "--warmup", "2", "--tail", "6"]
+           "--compare-duration", "5", "--rate", "2", "--warmup", "2", "--tail", "6",
+           "--logs", str(logs)]
     started = time.monotonic()
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
@@ -99,8 +108,8 @@ def _last_table(lines: list[str], policy: str) -> dict[str, re.Match[str]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
-def test_a_tiny_demo_shows_weights_summaries_and_leaves_nothing_behind() -> None:
-    done, wall, pgid = _run_demo(timeout=90)
+def test_a_tiny_demo_shows_weights_summaries_and_leaves_nothing_behind(tmp_path: Path) -> None:
+    done, wall, pgid = _run_demo(timeout=90, logs=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert wall < 60, f"the tiny demo took {wall:.0f} s"
     lines = done.stdout.splitlines()
@@ -113,6 +122,11 @@ def test_a_tiny_demo_shows_weights_summaries_and_leaves_nothing_behind() -> None
                                                   r" +TTFT p50 \S+ \S+ +TTFT p99", line)]
     assert [line.split()[0] for line in summary] == ["trimtab", "trimtab", "least_request"]
     assert any(line.startswith("ratio trimtab / least_request: TTFT p50") for line in lines)
+    status = [(i, m) for i, m in enumerate(map(STATUS.match, lines)) if m]
+    assert len(status) == 1, "the status page's address is printed once, for the trimtab run"
+    assert status[0][0] < lines.index(next(x for x in lines if x.startswith("final: trimtab")))
+    trimtab_config = yaml.safe_load((tmp_path / "trimtab" / "trimtab.yaml").read_text())
+    assert trimtab_config["admin"]["address"].endswith(f":{status[0][1].group(2)}")
     pids = {m.group(1): m.group(2) for m in map(PIDS.match, lines) if m}
     assert set(pids) == {"trimtab", "least_request"}
     started = [int(p.split()[1]) for text in pids.values() for p in text.split(", ")]

@@ -8,6 +8,9 @@ live table shows, per endpoint: GPU class, trimtab's weight (its admin ``/v1/wei
 (waiting requests) and KV-cache use (the simulator's ``/sim/stats``), ITL (the mean
 inter-token gap of the requests that endpoint finished in the last 15 s, seen by the client)
 and its share of the requests Envoy routed so far (per-host ``rq_total`` in ``/clusters``).
+The trimtab run starts by printing the address of trimtab's live status page (its admin
+``/``: ``>>> trimtab's live status page: http://127.0.0.1:PORT/``), which the live table
+also shows under it while the run lasts.
 
 Then the TTFT / E2E summary, and a comparison run: a fresh fleet behind Envoy's unweighted
 ``least_request``, fed the first ``--compare-duration`` seconds of the *same* schedule (same
@@ -137,6 +140,7 @@ class RunView:
     counters: Counters = field(default_factory=Counters)
     itl: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
+    status_url: str | None = None
 
     def on_record(self, rec: RequestRecord) -> None:
         if rec.error is None and rec.tpot is not None and rec.server is not None:
@@ -192,6 +196,12 @@ def samplers(stack: PolicyStack, interval: float) -> dict[str, Sampler]:
     return out
 
 
+def status_banner(url: str) -> str:
+    """The line that tells a newcomer where trimtab's live status page (admin ``/``) is."""
+    return (f"\n>>> trimtab's live status page: {url}  (open it in a browser while the demo "
+            f"runs: each endpoint's weight over time, signals, NACKs, rollouts)\n")
+
+
 # ---- displays ---------------------------------------------------------------------------------
 class PlainDisplay:
     """A compact text table every :data:`PLAIN_EVERY_S` seconds, and one at the end."""
@@ -234,7 +244,9 @@ class LiveDisplay:
     def show(self, view: RunView, final: bool = False) -> None:
         from rich.table import Table
 
-        table = Table(title=view.headline(), title_justify="left")
+        caption = None if view.status_url is None else f"status page: {view.status_url}"
+        table = Table(title=view.headline(), title_justify="left", caption=caption,
+                      caption_justify="left")
         for i, column in enumerate(COLUMNS):
             table.add_column(column, justify="left" if i < 2 else "right")
         for row in view.rows():
@@ -291,7 +303,11 @@ def run_policy(policy: str, s: DemoSettings, w: Workload, model: str, duration: 
             display.say(f"{policy}: pids {', '.join(pids)}; Envoy routes to "
                         f"{len(fleet.servers)} endpoints at {stack.listener_url}; "
                         f"{s.warmup:g} s warm-up + {duration:g} s measured")
-            view = RunView(policy, fleet, s.plan(duration), samplers(stack, s.interval))
+            status = None if stack.trimtab_admin_url is None else f"{stack.trimtab_admin_url}/"
+            if status is not None:
+                display.say(status_banner(status))
+            view = RunView(policy, fleet, s.plan(duration), samplers(stack, s.interval),
+                           status_url=status)
             return asyncio.run(_measure(stack, view, w, display))
         finally:
             stack.close()

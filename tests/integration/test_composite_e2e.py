@@ -3,7 +3,8 @@
 Three fake vLLM servers behind ``trimtab serve`` (``weights.policy: composite``) and a real
 Envoy. One reports a much fuller KV cache and a long queue: trimtab gives it a lower weight and
 Envoy sends it clearly less traffic (counted at the backends); once it recovers, the split
-evens out again. The expected weights come from the README's formula, not from trimtab's code.
+evens out again. The expected weights come from the formula in docs/configuration.md, not from
+trimtab's code.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 INTERVAL_S = 0.5
 SETTLE_S = 15.0
 MODEL = "m-composite"
-MIX = {"memory": 0.40, "queue": 0.35}  # the README defaults; no ITL on these pages
+MIX = {"memory": 0.40, "queue": 0.35}  # the documented defaults; no ITL on these pages
 QUEUE_CAP = 32
 IDLE = VllmPage(kv_usage=0.10, waiting=0)
 FULL = VllmPage(kv_usage=0.85, waiting=24)
@@ -35,8 +36,8 @@ REQUESTS = 600
 
 
 def readme_weight(page: VllmPage, max_weight: int = 100) -> int:
-    """README: load = mix-weighted mean of KV use and waiting / queue_cap; weight = headroom
-    x max_weight (equal capacities), in [1, max_weight]."""
+    """docs/configuration.md: load = mix-weighted mean of KV use and waiting / queue_cap;
+    weight = headroom x max_weight (equal capacities), in [1, max_weight]."""
     assert page.kv_usage is not None
     load = (MIX["memory"] * page.kv_usage
             + MIX["queue"] * min(page.waiting / QUEUE_CAP, 1.0)) / sum(MIX.values())
@@ -55,7 +56,7 @@ class CompositeStack:
         return {address: endpoint["weight"] for address, endpoint in pool.items()}
 
     def expect(self, pages: list[VllmPage]) -> dict[str, int]:
-        """Set the pages, then wait for trimtab and Envoy to show the README's weights."""
+        """Set the pages, then wait for trimtab and Envoy to show the documented weights."""
         for index, page in enumerate(pages):
             self.fleet.set_vllm(index, page)
         want = {a: readme_weight(p) for a, p in zip(self.fleet.addresses, pages, strict=True)}

@@ -1,4 +1,4 @@
-"""Prometheus metrics (prometheus-client). Every name is documented in the README."""
+"""Prometheus metrics (prometheus-client). Every name is documented in docs/metrics.md."""
 
 from __future__ import annotations
 

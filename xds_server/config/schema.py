@@ -376,7 +376,7 @@ class EndpointConfig(_Addressed):
 
 class PromptClassConfig(_Model):
     """Requests whose content-length is in [min_prompt_bytes, max_prompt_bytes) go to `pool`.
-    About 4 bytes of JSON per prompt token; see the README for the approximation's limits."""
+    About 4 bytes of JSON per prompt token; see docs/configuration.md for the approximation's limits."""
 
     pool: str = Field(min_length=1)
     min_prompt_bytes: int = Field(ge=0)

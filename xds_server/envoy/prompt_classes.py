@@ -13,7 +13,7 @@ tier (a homogeneous pool) there are no classes. With tiers ``T0 < T1 < ... < Tk`
 ``b_j = KV_SHARE * min capacity of T_j`` tokens, class ``j`` (1..k) takes prompts of
 ``[b_(j-1), b_j)`` tokens (the last one unbounded) and sends them to the endpoints of tiers
 ``j..k``. Envoy matches on ``content-length``, at :data:`BYTES_PER_TOKEN` (4) bytes of JSON per
-prompt token (English text; see the README for where that breaks).
+prompt token (English text; see docs/configuration.md for where that breaks).
 
 Capacities are the endpoints' KV-cache tokens: ``vllm:cache_config_info`` (``num_gpu_blocks x
 block_size``) from the last good read, else ``capacity:`` in the config. Until every endpoint
