@@ -7,11 +7,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Protocol
-
-from envoy.config.core.v3 import base_pb2
+from typing import TYPE_CHECKING, Any, Protocol
 
 from xds_server.security.identity import san_binding
+
+if TYPE_CHECKING:  # checking a config (`ANY`, the table) imports neither grpc nor protos
+    from envoy.config.core.v3 import base_pb2
 
 ANY = "*"  # as a node-cluster key: every cluster not listed; in a pool list: every pool
 

@@ -4,10 +4,11 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import unquote, urlsplit
 
-import grpc
+if TYPE_CHECKING:  # the rules are plain functions: checking a config imports no grpc
+    import grpc
 
 
 def _decoded(values: Iterable[bytes]) -> list[str]:
