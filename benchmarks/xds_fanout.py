@@ -52,13 +52,10 @@ from benchmarks.fanout_client import ENVOY_MAX_RECEIVE, WorkerSpec, raise_fd_lim
 from xds_server.config.schema import Config, parse_config
 from xds_server.control.controller import Controller
 from xds_server.envoy.clusters import EndpointSetting
-from xds_server.security.guard import (
-    NodeAuthorizer,
-    RateLimiter,
-    SnapshotViews,
-    XdsGuard,
-    server_options,
-)
+from xds_server.envoy.views import SnapshotViews
+from xds_server.security.authz import NodeAuthorizer
+from xds_server.security.guard import XdsGuard
+from xds_server.security.limits import RateLimiter, server_options
 from xds_server.xds import type_urls
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.nacks import NackLog
@@ -113,7 +110,7 @@ def make_controller(config: Config, cache: SnapshotCache, seed: int = 1) -> Benc
 
 
 def snapshot_of(controller: BenchController) -> Snapshot:
-    return build_snapshot(controller.resources())
+    return build_snapshot(controller.resources(), source=controller.view_inputs())
 
 
 def change_weights(weights: dict[str, dict[str, int]], fraction: float,
@@ -182,15 +179,14 @@ class ServerSpec:
     log_level: str = "info"  # trimtab's default: every push is logged (to /dev/null here)
 
 
-def production_servicer(config: Config, cache: SnapshotCache, controller: Controller
+def production_servicer(config: Config, cache: SnapshotCache
                         ) -> tuple[XdsServicer, dict[str, Any]]:
     """The servicer (guard: node authorisation, per-connection rate limit, per-node views; NACK
     log) and gRPC server options exactly as `xds_server.app.Trimtab` sets them up."""
     limits = config.xds.limits
     limiter = (RateLimiter(limits.requests_per_second, limits.request_burst)
                if limits.requests_per_second is not None else None)
-    guard = XdsGuard(NodeAuthorizer.from_config(config.nodes), limiter,
-                     SnapshotViews(lambda: (controller.config, controller.canary_percent)))
+    guard = XdsGuard(NodeAuthorizer.from_config(config.nodes), limiter, SnapshotViews())
     servicer = XdsServicer(cache, on_event=NackLog().observe, guard=guard)
     options = server_options(limits.max_streams_per_connection, limits.max_request_bytes,
                              limits.max_connection_age_seconds,
@@ -205,8 +201,7 @@ class FanoutServer:
         self.cache = SnapshotCache()
         config = synthetic_config(spec.pools, spec.endpoints_per_pool)
         self.controller = make_controller(config, self.cache, spec.seed)
-        self.servicer, self.server_kwargs = production_servicer(config, self.cache,
-                                                                self.controller)
+        self.servicer, self.server_kwargs = production_servicer(config, self.cache)
         self.next: Snapshot | None = None
         self.profiler: cProfile.Profile | None = None
 

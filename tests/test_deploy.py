@@ -21,7 +21,7 @@ import yaml
 
 from trimtab_dev.envoy_process import EnvoyError, validate_config
 from xds_server.config.schema import load_config, parse_config, parse_host_port
-from xds_server.security.guard import load_token
+from xds_server.security.admin_auth import load_token
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -782,7 +782,8 @@ def test_mtls_overlay_envoy_certificate_proves_exactly_its_node_cluster():
     proves node cluster trimtab-envoy, whatever pod name is the node id, and nothing else."""
     from envoy.config.core.v3.base_pb2 import Node
 
-    from xds_server.security.guard import NodeAuthorizer, san_binding
+    from xds_server.security.authz import NodeAuthorizer
+    from xds_server.security.identity import san_binding
 
     rendered = render(MTLS)
     config = _mtls_trimtab_config(rendered)
@@ -882,7 +883,9 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
     from tests.support.certs import TestCA
     from tests.test_security import CONFIG, published, with_free_listener
     from trimtab_dev.envoy_process import EnvoyProcess, free_port
-    from xds_server.security.guard import NodeAuthorizer, XdsGuard, server_credentials
+    from xds_server.security.authz import NodeAuthorizer
+    from xds_server.security.guard import XdsGuard
+    from xds_server.security.tls import server_credentials
     from xds_server.xds.server import XdsServicer, start_xds_server
 
     rendered = render(MTLS)

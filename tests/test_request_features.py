@@ -18,7 +18,7 @@ from xds_server.config.schema import Config, parse_config
 from xds_server.envoy.clusters import build_clusters
 from xds_server.envoy.request_features import local_reply_config, version_cluster
 from xds_server.envoy.routes import build_listener, build_route_config, http_filters
-from xds_server.security.guard import pool_closure, pool_clusters
+from xds_server.envoy.views import pool_closure, pool_clusters
 
 
 def _pools(vl_model: str = "mv", **chat: Any) -> list[dict[str, Any]]:

@@ -31,33 +31,25 @@ from tests.support.certs import CertFiles, TestCA
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
 from xds_server.config.schema import Config, ListenerConfig, parse_config
 from xds_server.control.controller import Controller
+from xds_server.envoy.views import SnapshotViews, ViewInputs, filter_snapshot, pool_closure
+from xds_server.security.admin_auth import bearer_middleware, load_token
+from xds_server.security.authz import Decision, NodeAuthorizer
 from xds_server.security.guard import (
-    Decision,
     Denied,
-    NodeAuthorizer,
-    RateLimiter,
-    SnapshotViews,
     StreamAccess,
-    TlsConfigError,
     XdsGuard,
-    bearer_middleware,
-    dns_claim,
-    filter_snapshot,
-    load_token,
     node_pool_problems,
     peer_host,
-    peer_identities,
-    pool_closure,
-    san_binding,
-    server_credentials,
-    server_options,
 )
+from xds_server.security.identity import dns_claim, peer_identities, san_binding
+from xds_server.security.limits import RateLimiter, server_options
+from xds_server.security.tls import TlsConfigError, server_credentials
 from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import DeltaStream, SotwStream
 from xds_server.xds.server import StreamInfo, XdsServicer, start_xds_server
-from xds_server.xds.snapshot import Snapshot, check_consistency
+from xds_server.xds.snapshot import Snapshot, build_snapshot, check_consistency
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy-bootstrap-mtls.yaml"
@@ -459,20 +451,27 @@ def route_clusters(snapshot: Snapshot) -> set[str]:
     return names - {""}
 
 
+def canary_splits(snapshot: Snapshot) -> set[tuple[str, int]]:
+    (route,) = snapshot.of_type(T.ROUTE).values()
+    message: RouteConfiguration = route.message  # type: ignore[assignment]
+    return {(wc.name, wc.weight.value) for vhost in message.virtual_hosts
+            for r in vhost.routes for wc in r.route.weighted_clusters.clusters}
+
+
 def test_filter_snapshot_keeps_only_the_nodes_pools() -> None:
     controller, cache = published(canary={"llama3-8b": 25.0})
     full = cache.snapshot
     assert full is not None
-    view = filter_snapshot(full, frozenset({"llama3-8b"}), CONFIG, controller.canary_percent)
+    assert isinstance(full.source, ViewInputs)  # what the controller built it from
+    view = filter_snapshot(full, frozenset({"llama3-8b"}), full.source)
+    assert view.version == filter_snapshot(
+        full, frozenset({"llama3-8b"}), ViewInputs(CONFIG, {"llama3-8b": 25.0})).version
     assert set(view.of_type(T.CLUSTER)) == {"llama3-8b", "llama3-8b-canary"}
     assert set(view.of_type(T.ENDPOINT)) == {"llama3-8b", "llama3-8b-canary"}
     assert route_clusters(view) == {"llama3-8b", "llama3-8b-canary"}
     route_text = str(next(iter(view.of_type(T.ROUTE).values())).message)
     assert "Qwen" not in route_text and "mistral" not in route_text
-    (route,) = view.of_type(T.ROUTE).values()
-    splits = {(wc.name, wc.weight.value) for vhost in route.message.virtual_hosts  # type: ignore[attr-defined]
-              for r in vhost.routes for wc in r.route.weighted_clusters.clusters}
-    assert splits == {("llama3-8b", 750), ("llama3-8b-canary", 250)}  # the 25 % canary share
+    assert canary_splits(view) == {("llama3-8b", 750), ("llama3-8b-canary", 250)}  # 25 %
     assert view.of_type(T.LISTENER) == full.of_type(T.LISTENER)
     assert check_consistency(view.resources) == []
     for type_url in (T.CLUSTER, T.ENDPOINT):  # the same Resource objects: bytes are shared
@@ -484,7 +483,7 @@ def test_filter_snapshot_keeps_only_the_nodes_pools() -> None:
 def test_filter_snapshot_follows_fallbacks() -> None:
     _, cache = published()
     assert cache.snapshot is not None
-    view = filter_snapshot(cache.snapshot, frozenset({"mistral-7b"}), CONFIG)
+    view = filter_snapshot(cache.snapshot, frozenset({"mistral-7b"}), ViewInputs(CONFIG))
     assert set(view.of_type(T.CLUSTER)) == {"mistral-7b", "mistral-7b-with-fallback",
                                             "mistral-spill"}
     assert set(view.of_type(T.ENDPOINT)) == {"mistral-7b", "mistral-spill"}
@@ -496,9 +495,19 @@ def test_filter_snapshot_follows_fallbacks() -> None:
 def test_filter_snapshot_with_no_pools_is_consistent() -> None:
     _, cache = published()
     assert cache.snapshot is not None
-    view = filter_snapshot(cache.snapshot, frozenset(), CONFIG)
+    view = filter_snapshot(cache.snapshot, frozenset(), ViewInputs(CONFIG))
     assert not view.of_type(T.CLUSTER) and not view.of_type(T.ENDPOINT)
     assert route_clusters(view) == set() and check_consistency(view.resources) == []
+
+
+def test_the_view_of_every_pool_is_the_published_snapshot() -> None:
+    """Routes and clusters of a view come from the inputs the snapshot was published with: a
+    node given every pool gets exactly what the controller published, byte for byte."""
+    _, cache = published(canary={"llama3-8b": 25.0})
+    full = cache.snapshot
+    assert full is not None and isinstance(full.source, ViewInputs)
+    view = filter_snapshot(full, frozenset(p.name for p in CONFIG.pools), full.source)
+    assert view.version == full.version and dict(view.versions) == dict(full.versions)
 
 
 def test_node_pool_problems() -> None:
@@ -517,7 +526,7 @@ def test_node_pool_problems() -> None:
 
 def test_views_are_shared_per_version_and_pool_set() -> None:
     controller, cache = published()
-    views = SnapshotViews(lambda: (controller.config, controller.canary_percent))
+    views = SnapshotViews()
     edge_a, edge_b = frozenset({"llama3-8b"}), frozenset({"mistral-7b", "mistral-spill"})
     first = views.get(cache.snapshot, edge_a)  # type: ignore[arg-type]
     assert views.get(cache.snapshot, edge_a) is first  # type: ignore[arg-type]
@@ -528,28 +537,62 @@ def test_views_are_shared_per_version_and_pool_set() -> None:
     assert second is not first and views.built == 3
     (old_route,), (new_route,) = first.of_type(T.ROUTE).values(), second.of_type(T.ROUTE).values()
     assert new_route is old_route  # unchanged route: the same object, encoded once
+    assert views.routes_built == 2  # a weight-only snapshot builds no route
 
 
-def test_views_keep_the_last_good_view_when_config_and_snapshot_disagree(
+def test_a_view_route_is_rebuilt_when_the_canary_percent_changes() -> None:
+    controller, cache = published()
+    views = SnapshotViews()
+    llama = frozenset({"llama3-8b"})
+    before = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
+    assert before is not None and canary_splits(before) == set()
+    controller.set_canary_percent({"llama3-8b": 40.0})
+    assert controller.publish()
+    after = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
+    assert after is not None and views.routes_built == 2
+    assert canary_splits(after) == {("llama3-8b", 600), ("llama3-8b-canary", 400)}
+
+
+def _qwen_falls_back_to_llama() -> Config:
+    return CONFIG.model_copy(update={"pools": [
+        p.model_copy(update={"fallback": "llama3-8b"}) if p.name == "qwen-72b" else p
+        for p in CONFIG.pools]})
+
+
+def test_views_follow_the_published_snapshot_not_a_config_whose_snapshot_was_refused() -> None:
+    """A reload whose snapshot is refused leaves the controller's config ahead of the cache:
+    views are built from what the cached snapshot was published with, so nodes keep getting
+    a consistent view of it (read from the live config, this view was refused, and a pool
+    set without an earlier view got nothing)."""
+    controller, cache = published()
+    views = SnapshotViews()
+    controller.mutators.append(lambda messages: messages[T.ROUTE].clear())  # refused: no RDS
+    controller.apply_config(_qwen_falls_back_to_llama())
+    assert not controller.publish() and controller.stats.rejected == 1
+    view = views.get(cache.snapshot, frozenset({"qwen-72b"}))  # type: ignore[arg-type]
+    assert view is not None and set(view.of_type(T.CLUSTER)) == {"qwen-72b"}
+    assert views.refused == 0
+
+
+def test_views_keep_the_last_good_view_when_inputs_and_snapshot_disagree(
         caplog: pytest.LogCaptureFixture) -> None:
     controller, cache = published()
-    source: list[tuple[Config, dict[str, float]]] = [(CONFIG, {})]
-    views = SnapshotViews(lambda: source[0])
+    views = SnapshotViews()
     qwen = frozenset({"qwen-72b"})
     good = views.get(cache.snapshot, qwen)  # type: ignore[arg-type]
     assert good is not None
-    # The config says qwen-72b now falls back to llama3-8b; the snapshot has no such cluster.
-    ahead = CONFIG.model_copy(update={"pools": [
-        p.model_copy(update={"fallback": "llama3-8b"}) if p.name == "qwen-72b" else p
-        for p in CONFIG.pools]})
-    source[0] = (ahead, {})
     change_weights(controller)
-    with caplog.at_level(logging.ERROR, "trimtab.security"):
-        assert views.get(cache.snapshot, qwen) is good  # type: ignore[arg-type]
-    assert views.refused == 1 and "qwen-72b-with-fallback" in caplog.text
-    source[0] = (CONFIG, {})
+    # Published without its inputs, or with inputs it was not built from (qwen-72b falling
+    # back to llama3-8b: the snapshot has no qwen-72b-with-fallback): never filtered wrongly.
+    bare = build_snapshot(controller.resources())
+    wrong = build_snapshot(controller.resources(), source=ViewInputs(_qwen_falls_back_to_llama()))
+    with caplog.at_level(logging.ERROR, "trimtab.views"):
+        assert views.get(bare, qwen) is good
+        assert views.get(wrong, qwen) is good
+    assert views.refused == 2 and "published without" in caplog.text
+    assert "qwen-72b-with-fallback" in caplog.text
     fresh = views.get(cache.snapshot, qwen)  # type: ignore[arg-type]
-    assert fresh is not None and fresh is not good and views.refused == 1
+    assert fresh is not None and fresh is not good and views.refused == 2
 
 
 # -- the guard in a real xDS server ----------------------------------------------------------
@@ -598,7 +641,7 @@ class GuardedServicer(XdsServicer):
 
 def make_guard(controller: Controller, limiter: RateLimiter | None = None,
                **policy: Any) -> XdsGuard:
-    views = SnapshotViews(lambda: (controller.config, controller.canary_percent))
+    views = SnapshotViews()
     return XdsGuard(NodeAuthorizer.from_mapping(NODES, **policy), limiter, views)
 
 
@@ -649,7 +692,7 @@ def test_dotted_cluster_certificate_over_mtls_gets_only_its_own_clusters_pools(p
     claiming cluster prod was given prod's pools."""
     controller, cache = published()
     cert = pki.ca.issue("n1-prod-eu", dns=["n1.prod.eu"])
-    views = SnapshotViews(lambda: (controller.config, controller.canary_percent))
+    views = SnapshotViews()
     auth = NodeAuthorizer.from_mapping({"prod": ["llama3-8b"], "prod.eu": ["qwen-72b"]},
                                        require_san_match=True, require_cluster_binding=True)
     guard = XdsGuard(auth, None, views)

@@ -18,17 +18,14 @@ from xds_server.control.controller import Controller
 from xds_server.control.coordination import kubernetes_rollouts, warn_deprecated_drive
 from xds_server.control.discovery.merge import Discovery
 from xds_server.control.leader import LeaseElector
+from xds_server.envoy.views import SnapshotViews
 from xds_server.keda.scaler import ExternalScalerServicer, start_scaler_server
 from xds_server.listen import listening
-from xds_server.security.guard import (
-    NodeAuthorizer,
-    RateLimiter,
-    SnapshotViews,
-    XdsGuard,
-    load_token,
-    server_credentials,
-    server_options,
-)
+from xds_server.security.admin_auth import load_token
+from xds_server.security.authz import NodeAuthorizer
+from xds_server.security.guard import XdsGuard
+from xds_server.security.limits import RateLimiter, server_options
+from xds_server.security.tls import server_credentials
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.health import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
 from xds_server.xds.nacks import NackLog
@@ -108,7 +105,7 @@ class Trimtab:
             NodeAuthorizer.from_config(config.nodes),
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
-            SnapshotViews(lambda: (self.controller.config, self.controller.canary_percent)))
+            SnapshotViews())  # from the inputs each snapshot is published with
         self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))

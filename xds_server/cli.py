@@ -201,7 +201,7 @@ class AdminTarget:
 def _admin_target(args: argparse.Namespace) -> AdminTarget:
     """Where the admin API is and its token: from --admin, --config or the default. Raises
     ConfigError for a bad config or an unreadable token (admin.auth.token_file/token_env)."""
-    from xds_server.security.guard import load_token
+    from xds_server.security.admin_auth import load_token
 
     if args.admin:
         return AdminTarget(args.admin.rstrip("/"), None)

@@ -24,7 +24,7 @@ from xds_server.control.explain import breakdown_document
 from xds_server.control.rollouts.machine import RolloutCommandError
 from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
-from xds_server.security.guard import bearer_middleware
+from xds_server.security.admin_auth import bearer_middleware
 from xds_server.test_hooks import invalid_weight_mutator
 from xds_server.xds import type_urls
 from xds_server.xds.nacks import NackLog

@@ -38,6 +38,7 @@ from xds_server.envoy.clusters import (
 from xds_server.envoy.prompt_classes import AutoClass, capacities_of, derive_classes
 from xds_server.envoy.request_features import extra_clusters as feature_clusters
 from xds_server.envoy.routes import build_listener, build_route_config
+from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.parsers import screen_signals
 from xds_server.telemetry.scrape import Scraper, ScrapeResult, TelemetryStore, off_loop
@@ -461,12 +462,17 @@ class Controller:
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
         return (self.config, self.weights, self._clusters, self._auto_clusters, self.auto,
-                self._listener, self._routes,
+                self._listener, self._routes, self.canary_percent,
                 *self.mutators)
+
+    def view_inputs(self) -> ViewInputs:
+        """What the routes of :meth:`resources` are built from; published with the snapshot,
+        per-node views are computed from it (`envoy.views`)."""
+        return ViewInputs(self.config, self.canary_percent)
 
     def _build(self) -> Snapshot | InconsistentSnapshotError:
         try:
-            return build_snapshot(self.resources())
+            return build_snapshot(self.resources(), source=self.view_inputs())
         except InconsistentSnapshotError as exc:
             return exc
 

@@ -160,6 +160,9 @@ class Snapshot:
     version: str
     changes: Mapping[str, TypeChange] = field(  # since the snapshot this one replaced
         default_factory=lambda: MappingProxyType({}), compare=False)
+    # What the publisher built it from, opaque here (the controller's `envoy.views.ViewInputs`,
+    # from which per-node views are computed): kept by `reusing`, never part of the version.
+    source: object = field(default=None, compare=False, repr=False)
     _subsets: SubsetMemo = field(default_factory=SubsetMemo, init=False, repr=False,
                                  compare=False)
     _names: dict[str, frozenset[str]] = field(default_factory=dict, init=False, repr=False,
@@ -214,7 +217,7 @@ class Snapshot:
                 merged[type_url] = MappingProxyType(items)
             changes[type_url] = TypeChange(previous.type_version_of(type_url), frozenset(changed))
         out = Snapshot(MappingProxyType(merged), self.versions, self.version,
-                       MappingProxyType(changes))
+                       MappingProxyType(changes), self.source)
         for type_url in merged:
             before = previous.names_of(type_url)
             if changes[type_url].names <= before and out.names_of(type_url) == before:
@@ -305,8 +308,9 @@ def check_consistency(resources: Mapping[str, Mapping[str, Resource]]) -> list[s
     return problems
 
 
-def build_snapshot(messages: Mapping[str, Iterable[Message]]) -> Snapshot:
-    """Hash, check and freeze a set of resources. Raises InconsistentSnapshotError."""
+def build_snapshot(messages: Mapping[str, Iterable[Message]], source: object = None) -> Snapshot:
+    """Hash, check and freeze a set of resources (built from `source`, see `Snapshot.source`).
+    Raises InconsistentSnapshotError."""
     resources: dict[str, Mapping[str, Resource]] = {}
     for type_url, items in messages.items():
         by_name: dict[str, Resource] = {}
@@ -322,4 +326,5 @@ def build_snapshot(messages: Mapping[str, Iterable[Message]]) -> Snapshot:
         raise InconsistentSnapshotError(problems)
     versions = {t: type_version(r) for t, r in sorted(resources.items())}
     overall = content_hash(*(f"{t}={v}".encode() for t, v in versions.items()))
-    return Snapshot(MappingProxyType(resources), MappingProxyType(versions), overall)
+    return Snapshot(MappingProxyType(resources), MappingProxyType(versions), overall,
+                    source=source)
