@@ -9,16 +9,13 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from xds_server.telemetry.parsers import (
-    HistogramHistory,
+from xds_server.telemetry.histories import HistogramHistory, windowed_mean
+from xds_server.telemetry.parsers import detect_server, page_signals, parse_page
+from xds_server.telemetry.reading import (
     HistogramState,
     PageReading,
-    detect_server,
     histogram_from_signals,
-    page_signals,
-    parse_page,
     screen_signals,
-    windowed_mean,
 )
 from xds_server.telemetry.scrape import MetricsFormatError, parse_dcgm_memory
 

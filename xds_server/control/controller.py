@@ -40,7 +40,7 @@ from xds_server.envoy.request_features import extra_clusters as feature_clusters
 from xds_server.envoy.routes import build_listener, build_route_config
 from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
-from xds_server.telemetry.parsers import screen_signals
+from xds_server.telemetry.reading import screen_signals
 from xds_server.telemetry.scrape import Scraper, ScrapeResult, TelemetryStore, off_loop
 from xds_server.telemetry.sources import TelemetrySource, build_sources
 from xds_server.xds import type_urls

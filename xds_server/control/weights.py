@@ -31,7 +31,8 @@ from weight_calculator.reference import compute_reference_weights
 from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
 from xds_server.config.schema import Config, EndpointConfig, PoolConfig
 from xds_server.telemetry.counters import ServiceHistory
-from xds_server.telemetry.parsers import HistogramHistory, histogram_from_signals
+from xds_server.telemetry.histories import HistogramHistory
+from xds_server.telemetry.reading import histogram_from_signals
 
 
 def gpu_memory_policy(config: Config) -> GpuMemoryPolicy:
