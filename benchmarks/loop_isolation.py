@@ -198,7 +198,7 @@ def scenario_config(name: str, peers: int, xds: int, admin: int, listener: int
 async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
     from trimtab_dev.envoy_process import free_port
     from xds_server.app import Trimtab
-    from xds_server.config.schema import ConfigError, parse_config
+    from xds_server.config.load import ConfigError, parse_config
 
     xds, admin = free_port(), free_port()
     try:

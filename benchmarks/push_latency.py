@@ -40,7 +40,8 @@ from typing import Any
 from trimtab_dev.demo_backend import DemoBackends
 from trimtab_dev.envoy_process import EnvoyProcess, envoy_binary, free_port, render_bootstrap
 from xds_server.app import Trimtab
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.xds.snapshot import Snapshot
 
 POOL = "bench"

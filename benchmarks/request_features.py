@@ -47,7 +47,8 @@ from google.protobuf import json_format
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from trimtab_dev.envoy_process import envoy_binary, free_port  # noqa: E402
-from xds_server.config.schema import Config, parse_config  # noqa: E402
+from xds_server.config.load import parse_config  # noqa: E402
+from xds_server.config.schema import Config  # noqa: E402
 from xds_server.envoy.clusters import build_clusters, build_load_assignment  # noqa: E402
 from xds_server.envoy.request_features import extra_clusters  # noqa: E402
 from xds_server.envoy.routes import build_listener, build_route_config  # noqa: E402

@@ -71,7 +71,7 @@ def start_server(endpoints: int, port: int) -> subprocess.Popen[bytes]:
 
 
 def make_config(endpoints: int, port: int, timeout: float) -> object:
-    from xds_server.config.schema import parse_config
+    from xds_server.config.load import parse_config
 
     eps = [{"address": f"10.{i // 65536}.{(i // 256) % 256}.{i % 256}:8000",
             "metrics_url": f"http://127.0.0.1:{port}/metrics/{i}"} for i in range(endpoints)]

@@ -49,7 +49,8 @@ from envoy.service.discovery.v3 import discovery_pb2
 from prometheus_client import REGISTRY
 
 from benchmarks.fanout_client import ENVOY_MAX_RECEIVE, WorkerSpec, raise_fd_limit, worker_main
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.envoy.clusters import EndpointSetting
 from xds_server.envoy.views import SnapshotViews

@@ -12,7 +12,7 @@ from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest
 
 from tests.test_controller import CONFIG, FakeScraper
 from xds_server.admin.api import AdminApi
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.control.explain import explain_rows
 from xds_server.security.guard import StreamAccess

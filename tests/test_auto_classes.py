@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from xds_server.config.schema import ConfigError, parse_config
+from xds_server.config.load import ConfigError, parse_config
 from xds_server.control.controller import Controller
 from xds_server.envoy.prompt_classes import AutoClass, derive_classes, tiers
 from xds_server.telemetry.scrape import ScrapeResult

@@ -16,7 +16,8 @@ import pytest
 from prometheus_client import REGISTRY
 
 from tests.support import Backend, VllmPage
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.keda import ExternalScalerServicer, metric_name
 from xds_server.keda import externalscaler_pb2 as pb2

@@ -197,7 +197,7 @@ def test_long_context_pool_takes_the_servers_whose_kv_holds_the_longest_requests
 
 def test_trimtab_config_with_a_long_context_class_validates() -> None:
     from trimtab_dev.bench.envoy_configs import LongContext, trimtab_config
-    from xds_server.config.schema import parse_config
+    from xds_server.config.load import parse_config
     doc = trimtab_config(model="m", addresses=["127.0.0.1:1", "127.0.0.1:2"], xds_port=1,
                          admin_port=2, listener_port=3,
                          long_context=LongContext(32768, ("127.0.0.1:1",)))
@@ -355,7 +355,7 @@ def test_the_reference_policy_is_exactly_the_issues_formula() -> None:
     from trimtab_dev.bench import reference
     from trimtab_dev.bench.envoy_configs import trimtab_config
     from weight_calculator.types import Observation, Sample
-    from xds_server.config.schema import parse_config
+    from xds_server.config.load import parse_config
     from xds_server.control.weights import LatencyWindow, cluster_weights
 
     caps = {"127.0.0.1:1": 453776.0, "127.0.0.1:2": 167184.0, "127.0.0.1:3": 38128.0}

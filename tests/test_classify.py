@@ -14,7 +14,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2 as ext_proc_c
 from xds_server.classify import RulesClassifier, decide, last_user_text, main, tier_response
 from xds_server.cli import EXIT_BAD_INPUT
 from xds_server.cli import main as trimtab
-from xds_server.config.schema import ClassifierConfig, ClassifierRuleConfig, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import ClassifierConfig, ClassifierRuleConfig
 from xds_server.envoy.routes import build_route_config, http_filters
 
 RULES = [{"tier": "code", "keywords": ["Python", "stack trace"], "patterns": [r"\bdef \w+\("]},

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY
 
 from tests.support.backends import serve_pages
 from tests.xds_fixtures import cluster
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control import controller as controller_module
 from xds_server.control.controller import Controller
 from xds_server.telemetry.scrape import ScrapeResult, too_many_series

@@ -16,7 +16,7 @@ from prometheus_client import REGISTRY, generate_latest
 
 from xds_server.admin.api import AdminApi
 from xds_server.app import Trimtab, restart_only_changes
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.control.discovery.kubernetes import DiscoveredEndpoint
 from xds_server.control.discovery.merge import Discovery

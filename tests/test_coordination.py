@@ -19,7 +19,7 @@ import pytest
 from tests.support.fake_kube import FakeKube
 from tests.test_rollouts_controller import CANARY, STABLE, Feed, GoodTracker, page, split
 from xds_server.admin.api import AdminApi
-from xds_server.config.schema import ConfigError, parse_config
+from xds_server.config.load import ConfigError, parse_config
 from xds_server.control.controller import Controller
 from xds_server.control.coordination import CoordinatedRollouts, warn_deprecated_drive
 from xds_server.control.leader import LeaderState, LeaseElector, coordination_api_client

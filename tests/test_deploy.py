@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 from trimtab_dev.envoy_process import EnvoyError, validate_config
-from xds_server.config.schema import load_config, parse_config, parse_host_port
+from xds_server.config.addresses import parse_host_port
+from xds_server.config.load import load_config, parse_config
 from xds_server.security.admin_auth import load_token
 
 ROOT = Path(__file__).resolve().parent.parent

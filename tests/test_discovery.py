@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 
 from tests.support.fake_kube import FakeKube, endpoint, endpoint_slice
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.control.discovery.merge import Discovery
 from xds_server.xds import type_urls as T

@@ -9,7 +9,7 @@ import time
 import pytest
 from aiohttp import web
 
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.explain import collect_rows, explain
 
 STATIC = parse_config({

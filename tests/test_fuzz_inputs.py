@@ -16,7 +16,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from xds_server.config.schema import ConfigError, load_config, parse_config
+from xds_server.config.load import ConfigError, load_config, parse_config
 from xds_server.telemetry.parsers import parse_page
 from xds_server.telemetry.scrape import MetricsFormatError
 

@@ -22,7 +22,8 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.telemetry.scrape import Scraper
 from xds_server.xds import type_urls as T

@@ -11,7 +11,7 @@ import pytest
 
 from weight_calculator.loss import hold_on_loss, on_tick_clock, pool_lost, tick_fresh
 from weight_calculator.types import EndpointWeight, Observation, PoolWeights, Sample
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T

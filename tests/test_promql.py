@@ -370,7 +370,7 @@ def test_an_endless_answer_stops_at_the_limit_not_the_timeout() -> None:
 def test_an_oversized_answer_leaves_its_endpoints_without_telemetry() -> None:
     """Through the source a pool uses: the only query fails, so every endpoint's read is an
     error (it goes stale), saying why."""
-    from xds_server.config.schema import parse_config
+    from xds_server.config.load import parse_config
     from xds_server.telemetry.sources import PrometheusSource
 
     async def scenario() -> dict[str, object]:

@@ -14,7 +14,8 @@ import yaml
 from google.protobuf import json_format
 
 from xds_server.cli import EXIT_BAD_INPUT, main
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.envoy.clusters import build_clusters
 from xds_server.envoy.request_features import local_reply_config, version_cluster
 from xds_server.envoy.routes import build_listener, build_route_config, http_filters
@@ -189,7 +190,7 @@ def test_bad_listener_keys_exit_2_naming_them(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_the_tiers_example_validates_and_builds() -> None:
-    from xds_server.config.schema import load_config
+    from xds_server.config.load import load_config
 
     config = load_config(Path(__file__).resolve().parent.parent / "examples" / "trimtab-tiers.yaml")
     names = _route_names(config)
@@ -223,7 +224,7 @@ def test_the_lua_filter_is_off_on_routes_of_pools_without_a_modality_class() -> 
 
 _LISTENER_HASH = """
 import hashlib
-from xds_server.config.schema import load_config
+from xds_server.config.load import load_config
 from xds_server.envoy.routes import build_listener, build_route_config
 config = load_config("examples/trimtab-tiers.yaml")
 for message in (build_listener(config), build_route_config(config)):

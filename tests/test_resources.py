@@ -10,7 +10,8 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import (
     previous_priorities_config_pb2 as previous_priorities,
 )
 
-from xds_server.config.schema import Config, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.envoy.clusters import build_clusters
 from xds_server.envoy.routes import build_route_config
 
@@ -51,7 +52,7 @@ def test_retries_of_a_pool_with_fallback_skip_priorities_already_tried() -> None
 
 
 def test_active_request_bias_reaches_the_least_request_config() -> None:
-    from xds_server.config.schema import ConfigError, parse_config
+    from xds_server.config.load import ConfigError, parse_config
     from xds_server.envoy.clusters import build_cluster
 
     config = parse_config({"pools": [{"name": "p", "model": "m", "active_request_bias": 0.0,

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from xds_server.config.schema import GateConfig, RolloutConfig
+from xds_server.config.pools import GateConfig, RolloutConfig
 from xds_server.control.rollouts.machine import (
     ABORTED,
     HISTORY_LIMIT,

@@ -8,7 +8,8 @@ import logging
 from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from prometheus_client import REGISTRY
 
-from xds_server.config.schema import RolloutsConfig, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.schema import RolloutsConfig
 from xds_server.control.controller import Controller
 from xds_server.control.rollouts.machine import (
     HISTORY_LIMIT,

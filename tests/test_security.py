@@ -29,18 +29,14 @@ from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, Discovery
 
 from tests.support.certs import CertFiles, TestCA
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
-from xds_server.config.schema import Config, ListenerConfig, parse_config
+from xds_server.config.checks import node_pool_problems
+from xds_server.config.load import parse_config
+from xds_server.config.schema import Config, ListenerConfig
 from xds_server.control.controller import Controller
 from xds_server.envoy.views import SnapshotViews, ViewInputs, filter_snapshot, pool_closure
 from xds_server.security.admin_auth import bearer_middleware, load_token
 from xds_server.security.authz import Decision, NodeAuthorizer
-from xds_server.security.guard import (
-    Denied,
-    StreamAccess,
-    XdsGuard,
-    node_pool_problems,
-    peer_host,
-)
+from xds_server.security.guard import Denied, StreamAccess, XdsGuard, peer_host
 from xds_server.security.identity import dns_claim, peer_identities, san_binding
 from xds_server.security.limits import RateLimiter, server_options
 from xds_server.security.tls import TlsConfigError, server_credentials

@@ -7,7 +7,7 @@ import asyncio
 
 from envoy.config.cluster.v3 import cluster_pb2
 
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.telemetry.counters import ServiceHistory, reading_from_signals
 from xds_server.telemetry.scrape import ScrapeResult

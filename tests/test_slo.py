@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from xds_server.config.schema import GateConfig
+from xds_server.config.pools import GateConfig
 from xds_server.control.rollouts.machine import gate_breach
 from xds_server.control.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
 

@@ -11,7 +11,8 @@ import pytest
 from aiohttp import web
 
 from tests.support.backends import BackendFleet, VllmPage, serve_pages, vllm_text
-from xds_server.config.schema import EndpointConfig, parse_config
+from xds_server.config.load import parse_config
+from xds_server.config.pools import EndpointConfig
 from xds_server.control.controller import Controller
 from xds_server.telemetry.scrape import Scraper, ScrapeResult
 from xds_server.telemetry.sources import FileSource, PrometheusSource, ScrapeSource

@@ -30,7 +30,7 @@ from tests.test_controller import FakeScraper
 from xds_server.admin.api import AdminApi, weights_document
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes, read_asset
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache

@@ -24,7 +24,7 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 from tests.xds_fixtures import BASE, snapshot
 from xds_server.admin import metrics
 from xds_server.app import Trimtab
-from xds_server.config.schema import ConfigError, parse_config
+from xds_server.config.load import ConfigError, parse_config
 from xds_server.xds import server as transport
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache

@@ -34,7 +34,7 @@ import yaml
 
 from trimtab_dev.demo_backend import DemoBackends
 from trimtab_dev.envoy_process import EnvoyError, EnvoyProcess
-from xds_server.config.schema import parse_host_port
+from xds_server.config.addresses import parse_host_port
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "examples" / "local.yaml"

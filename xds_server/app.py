@@ -13,7 +13,8 @@ from grpc_health.v1.health import aio as health_aio
 
 from xds_server.admin.api import AdminApi, start_admin, weights_document
 from xds_server.admin.history import WeightHistory
-from xds_server.config.schema import Config, ConfigError, load_config
+from xds_server.config.load import ConfigError, load_config
+from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.control.coordination import kubernetes_rollouts, warn_deprecated_drive
 from xds_server.control.discovery.merge import Discovery

@@ -37,13 +37,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from prometheus_client import Counter, Histogram, start_http_server
 
-from xds_server.config.schema import (
-    ClassifierConfig,
-    ClassifierRuleConfig,
-    ConfigError,
-    load_config,
-    parse_host_port,
-)
+from xds_server.config.addresses import parse_host_port
+from xds_server.config.load import ConfigError, load_config
+from xds_server.config.schema import ClassifierConfig, ClassifierRuleConfig
 from xds_server.envoy.request_features import CLASSIFIER_NAMESPACE, TIER_HEADER
 
 log = logging.getLogger("trimtab.classify")

@@ -18,7 +18,8 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from xds_server import __version__
-from xds_server.config.schema import ConfigError, HostPort, load_config
+from xds_server.config.addresses import HostPort
+from xds_server.config.load import ConfigError, load_config
 from xds_server.control.rollouts.machine import RolloutStateError
 from xds_server.listen import CannotListen
 
@@ -150,7 +151,7 @@ def cmd_weights(args: argparse.Namespace) -> int:
 
 
 def cmd_agent(args: argparse.Namespace) -> int:
-    from xds_server.config.schema import parse_host_port
+    from xds_server.config.addresses import parse_host_port
     from xds_server.telemetry.nvml_agent import NvmlUnavailable, PynvmlReader
 
     try:

@@ -15,7 +15,7 @@ import pytest
 from google.protobuf import json_format
 
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
-from xds_server.config.schema import parse_config
+from xds_server.config.load import parse_config
 from xds_server.envoy.routes import build_listener, build_route_config
 
 pytestmark = pytest.mark.slow

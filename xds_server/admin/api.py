@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from weight_calculator.types import EndpointWeight
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes
-from xds_server.config.schema import EndpointConfig
+from xds_server.config.pools import EndpointConfig
 from xds_server.control.controller import Controller
 from xds_server.control.explain import breakdown_document
 from xds_server.control.rollouts.machine import RolloutCommandError

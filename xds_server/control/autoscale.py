@@ -20,7 +20,8 @@ from weight_calculator.scaling import (
     initial_state,
 )
 from weight_calculator.types import PoolWeights
-from xds_server.config.schema import Config, PoolConfig
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
 from xds_server.control.slo import SloTracker
 from xds_server.keda.scaler import InMemoryScaleSource, PoolScale
 

@@ -21,7 +21,8 @@ from google.protobuf.message import Message
 from weight_calculator.queueing import STANDBY
 from weight_calculator.types import Observation, PoolWeights
 from xds_server.admin import metrics
-from xds_server.config.schema import Config, EndpointConfig, PoolConfig
+from xds_server.config.pools import EndpointConfig, PoolConfig
+from xds_server.config.schema import Config
 from xds_server.control.autoscale import Autoscaler
 from xds_server.control.rollouts.runner import Rollouts
 from xds_server.control.slo import SloTracker, split_signals

@@ -19,7 +19,8 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from xds_server.config.schema import Config, PoolConfig
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
 from xds_server.control.leader import LeaderState, LeaseElector, coordination_api_client
 from xds_server.control.rollouts import machine as rollout
 from xds_server.control.rollouts.machine import RolloutCommandError, RolloutState, RolloutStateError

@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from weight_calculator.types import EndpointWeight
-from xds_server.config.schema import Config, EndpointConfig
+from xds_server.config.pools import EndpointConfig
+from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds.cache import SnapshotCache

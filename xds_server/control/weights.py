@@ -29,7 +29,8 @@ from weight_calculator.queueing import (
 )
 from weight_calculator.reference import compute_reference_weights
 from weight_calculator.types import GpuMemoryPolicy, Observation, PoolWeights
-from xds_server.config.schema import Config, EndpointConfig, PoolConfig
+from xds_server.config.pools import EndpointConfig, PoolConfig
+from xds_server.config.schema import Config
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.histories import HistogramHistory
 from xds_server.telemetry.reading import histogram_from_signals

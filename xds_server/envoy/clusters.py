@@ -16,7 +16,8 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.clusters.aggregate.v3 import cluster_pb2 as aggregate_pb2
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 
-from xds_server.config.schema import EndpointConfig, HostPort, PoolConfig, parse_host_port
+from xds_server.config.addresses import HostPort, parse_host_port
+from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.envoy import request_features
 
 HEALTHY = "HEALTHY"

@@ -30,13 +30,9 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2  # noqa: F401 - registe
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format
 
-from xds_server.config.schema import (
-    Config,
-    NumberRangeConfig,
-    PoolConfig,
-    RequestClassConfig,
-    parse_host_port,
-)
+from xds_server.config.addresses import parse_host_port
+from xds_server.config.pools import NumberRangeConfig, PoolConfig, RequestClassConfig
+from xds_server.config.schema import Config
 
 NAMESPACE = "trimtab"
 CLASSIFIER_NAMESPACE = "trimtab.classifier"  # only the ext_proc filter writes it
@@ -126,18 +122,11 @@ def class_routes(pool: PoolConfig, source: str, model_match: dict[str, Any],
     return routes
 
 
-def targets(pool: PoolConfig) -> set[str]:
-    """Pools `pool` sends requests to through its request classes and model versions."""
-    versions = set(pool.model_versions.pools.values()) if pool.model_versions else set()
-    tiers = set((pool.intent_tiers or {}).values())
-    return {cls.pool for cls in pool.request_classes} | versions | tiers
-
-
 def same_model_targets(config: Config) -> set[str]:
     """Pools that only serve another pool's request class or model version and share its
     model name (they get no model routes of their own)."""
     models = {pool.name: pool.model for pool in config.pools}
-    return {target for pool in config.pools for target in targets(pool)
+    return {target for pool in config.pools for target in pool.request_targets()
             if models.get(target) == pool.model}
 
 

@@ -30,7 +30,9 @@ from envoy.extensions.retry.priority.previous_priorities.v3 import (  # noqa: F4
 )
 from google.protobuf import json_format
 
-from xds_server.config.schema import Config, PoolConfig, parse_host_port
+from xds_server.config.addresses import parse_host_port
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
 from xds_server.envoy import request_features
 from xds_server.envoy.prompt_classes import AutoClass
 

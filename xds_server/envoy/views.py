@@ -21,7 +21,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-from xds_server.config.schema import Config, PoolConfig
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
 from xds_server.envoy import request_features
 from xds_server.envoy.routes import build_route_config
 from xds_server.xds import type_urls
@@ -51,15 +52,6 @@ class ViewInputs:
                 and other.canary_percent is self.canary_percent)
 
 
-def pool_dependencies(pool: PoolConfig) -> set[str]:
-    """The other pools `pool` sends traffic to: its fallback, size classes, request classes."""
-    deps = {size.pool for size in pool.size_classes()}
-    deps |= request_features.targets(pool)
-    if pool.fallback is not None:
-        deps.add(pool.fallback)
-    return deps - {pool.name}
-
-
 def pool_closure(config: Config, pools: Iterable[str]) -> set[str]:
     """`pools` (those that exist) plus every pool they fall back or send a size class to."""
     names = {pool.name for pool in config.pools}
@@ -68,7 +60,7 @@ def pool_closure(config: Config, pools: Iterable[str]) -> set[str]:
         name = todo.pop()
         if name not in seen:
             seen.add(name)
-            todo += [dep for dep in pool_dependencies(config.pool(name)) if dep in names]
+            todo += [dep for dep in config.pool(name).dependencies() if dep in names]
     return seen
 
 

@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Protocol
 
+from xds_server.config.schema import ANY
 from xds_server.security.identity import san_binding
 
-if TYPE_CHECKING:  # checking a config (`ANY`, the table) imports neither grpc nor protos
+if TYPE_CHECKING:  # the authorisation table imports neither grpc nor protos
     from envoy.config.core.v3 import base_pb2
-
-ANY = "*"  # as a node-cluster key: every cluster not listed; in a pool list: every pool
 
 
 @dataclass(frozen=True)

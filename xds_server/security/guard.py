@@ -16,53 +16,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpc
 from envoy.config.core.v3 import base_pb2
 
-from xds_server.config.schema import Config
-from xds_server.envoy.views import SnapshotViews, pool_dependencies
-from xds_server.security.authz import ANY, Decision, NodeAuthorizer
+from xds_server.envoy.views import SnapshotViews
+from xds_server.security.authz import Decision, NodeAuthorizer
 from xds_server.security.identity import peer_identities
 from xds_server.security.limits import RateLimiter
 from xds_server.xds.snapshot import Snapshot
 
 log = logging.getLogger("trimtab.security")
-
-
-# -- the config cross-check of `nodes.clusters` (called by config.schema) ---------------------
-
-
-def node_pool_problems(clusters: Mapping[str, Sequence[str]], config: Config
-                       ) -> list[tuple[str, str]]:
-    """Config cross-checks for `nodes.clusters`: unknown pools, and pool sets that are not
-    closed under fallback and prompt-size-class references (a node would get routes to
-    clusters it is not given)."""
-    names = {pool.name for pool in config.pools}
-    problems = []
-    folded: dict[str, str] = {}
-    for cluster in clusters:  # a DNS SAN names a cluster case-insensitively
-        other = folded.setdefault(cluster.lower(), cluster)
-        if other != cluster:
-            problems.append((f"nodes.clusters.{cluster}",
-                             f"differs from node cluster {other!r} only in case: one DNS SAN "
-                             f"would prove both"))
-    for cluster, pools in clusters.items():
-        path = f"nodes.clusters.{cluster}"
-        for index, name in enumerate(pools):
-            if name != ANY and name not in names:
-                problems.append((f"{path}[{index}]", f"unknown pool {name!r}"))
-        assigned = set(pools) & names
-        if ANY in pools:
-            continue
-        for name in sorted(assigned):
-            for dep in sorted(pool_dependencies(config.pool(name)) - assigned):
-                problems.append((path, f"pool {name!r} sends traffic to pool {dep!r} "
-                                       f"(fallback or size class); assign {dep!r} too"))
-    return problems
-
 
 
 # -- the guard: what transport calls per stream ----------------------------------------------

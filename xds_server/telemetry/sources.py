@@ -21,13 +21,9 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Protocol
 
-from xds_server.config.schema import (
-    MAX_CONFIG_BYTES,
-    Config,
-    ConfigError,
-    EndpointConfig,
-    load_yaml_text,
-)
+from xds_server.config.load import MAX_CONFIG_BYTES, ConfigError, load_yaml_text
+from xds_server.config.pools import EndpointConfig
+from xds_server.config.schema import Config
 from xds_server.control.slo import parse_slo
 from xds_server.telemetry.parsers import parse_page
 from xds_server.telemetry.promql import PromQLResult, PromQLSource

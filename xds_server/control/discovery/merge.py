@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from xds_server.config.schema import Config, EndpointConfig, PoolConfig
+from xds_server.config.pools import EndpointConfig, PoolConfig
+from xds_server.config.schema import Config
 from xds_server.control.discovery.kubernetes import (
     EndpointSet,
     EndpointSliceWatcher,

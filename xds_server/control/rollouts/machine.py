@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from xds_server.config.schema import GateConfig, RolloutConfig
+from xds_server.config.pools import GateConfig, RolloutConfig
 
 PROGRESSING = "progressing"
 PAUSED = "paused"

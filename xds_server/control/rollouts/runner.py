@@ -9,7 +9,8 @@ from pathlib import Path
 
 from prometheus_client import Counter, Gauge
 
-from xds_server.config.schema import Config, PoolConfig
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
 from xds_server.control.rollouts import machine as rollout
 from xds_server.control.rollouts.machine import RolloutState
 from xds_server.control.slo import SloTracker

@@ -1,0 +1,177 @@
+"""File -> `Config`: the file read within bounds (size, UTF-8, nesting, alias expansion),
+parsed as YAML, validated, and every failure turned into a `ConfigError` naming the key path
+and the reason, e.g. ``pools[1].endpoints[0].address: expected host:port, got 'foo'``.
+The CLI turns a `ConfigError` into exit status 2."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from xds_server.config.checks import config_problems
+from xds_server.config.schema import Config
+
+
+class ConfigError(Exception):
+    """A config that cannot be used. `problems` holds (key path, reason) pairs."""
+
+    def __init__(self, problems: Iterable[tuple[str, str]]) -> None:
+        self.problems = list(problems)
+        super().__init__("\n".join(f"{path}: {reason}" if path else reason
+                                   for path, reason in self.problems))
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _reason(error: Any) -> str:
+    message = str(error["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if message.startswith(prefix):
+            message = message[len(prefix):]
+    if error["type"] == "literal_error":
+        message = f"{message}, got {error['input']!r}"
+    if error["type"] == "extra_forbidden":
+        message = "unknown key"
+    return message
+
+
+def _pydantic_problems(exc: ValidationError) -> list[tuple[str, str]]:
+    return [(_format_loc(tuple(err["loc"])), _reason(err)) for err in exc.errors()]
+
+
+def parse_config(data: Any) -> Config:
+    """Validate an already-parsed YAML document. Raises ConfigError."""
+    if not isinstance(data, dict):
+        raise ConfigError([("", f"expected a mapping at the top level, got {type(data).__name__}")])
+    try:
+        config = Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_pydantic_problems(exc)) from None
+    problems = config_problems(config)
+    if problems:
+        raise ConfigError(problems)
+    return config
+
+
+# Bounds on a config file (a hostile or broken file is refused, never crashes the loader).
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+MAX_CONFIG_DEPTH = 64  # nested mappings/sequences, aliases expanded
+MAX_CONFIG_NODES = 1_000_000  # YAML nodes once every alias is expanded (alias bombs)
+
+
+def _read_bytes(path: str | Path) -> bytes:
+    try:
+        with open(path, "rb") as handle:
+            raw = handle.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError([("", f"cannot read config file {str(path)!r}: {exc.strerror}")]) from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise ConfigError([("", f"{path}: larger than {MAX_CONFIG_BYTES} bytes")])
+    return raw
+
+
+def _decode(path: str | Path, raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([("", f"{path}: not UTF-8: byte 0x{raw[exc.start]:02x} at offset "
+                                f"{exc.start} (line {line})")]) from None
+
+
+_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when present: faster
+
+
+def _check_events(path: str | Path, text: str) -> None:
+    """Nesting depth bounded before anything recursive (the composer) sees the document."""
+    depth = 0
+    for event in yaml.parse(text, Loader=_LOADER):
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_CONFIG_DEPTH:
+                mark = event.start_mark
+                where = f" at line {mark.line + 1}" if mark is not None else ""
+                raise ConfigError([("", f"{path}: nested deeper than {MAX_CONFIG_DEPTH} "
+                                        f"levels{where}")])
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
+
+
+def _check_expansion(path: str | Path, root: yaml.Node) -> None:
+    """Aliases expanded: at most MAX_CONFIG_DEPTH deep and MAX_CONFIG_NODES nodes in all;
+    a recursive alias is refused."""
+    measured: dict[int, tuple[int, int]] = {}  # node -> (expanded size, height)
+    too_deep = ConfigError([("", f"{path}: aliases nest deeper than {MAX_CONFIG_DEPTH} levels")])
+
+    def measure(node: yaml.Node, depth: int, open_ids: frozenset[int]) -> tuple[int, int]:
+        if id(node) in open_ids:
+            raise ConfigError([("", f"{path}: recursive YAML alias")])
+        known = measured.get(id(node))
+        if known is None:
+            if depth > MAX_CONFIG_DEPTH:
+                raise too_deep
+            children: list[yaml.Node] = []
+            if isinstance(node, yaml.SequenceNode):
+                children = list(node.value)
+            elif isinstance(node, yaml.MappingNode):
+                children = [part for pair in node.value for part in pair]
+            inner = open_ids | {id(node)}
+            parts = [measure(child, depth + 1, inner) for child in children]
+            known = (1 + sum(p[0] for p in parts), 1 + max((p[1] for p in parts), default=0))
+            measured[id(node)] = known
+        if depth + known[1] > MAX_CONFIG_DEPTH + 1:
+            raise too_deep
+        if known[0] > MAX_CONFIG_NODES:
+            raise ConfigError([("", f"{path}: more than {MAX_CONFIG_NODES} YAML nodes once "
+                                    f"aliases are expanded")])
+        return known
+
+    measure(root, 0, frozenset())
+
+
+def _yaml_problem(path: str | Path, exc: Exception) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None)
+    where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+    detail = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line
+    return ConfigError([("", f"{path}: invalid YAML{where}: {detail}")])
+
+
+def load_yaml_text(text: str, path: str | Path = "<config>") -> Any:
+    """Parse YAML within the bounds above. Raises ConfigError, nothing else."""
+    try:
+        _check_events(path, text)
+        loader = _LOADER(text)
+        try:
+            node = loader.get_single_node()
+            if node is None:
+                return None
+            _check_expansion(path, node)
+            return loader.construct_document(node)
+        finally:
+            loader.dispose()
+    except ConfigError:
+        raise
+    except yaml.YAMLError as exc:
+        raise _yaml_problem(path, exc) from None
+    except (ValueError, TypeError, OverflowError, RecursionError) as exc:  # e.g. a huge int
+        raise ConfigError([("", f"{path}: unusable YAML value: {type(exc).__name__}: "
+                                f"{exc}")]) from None
+
+
+def load_config(path: str | Path) -> Config:
+    """Read and validate a YAML config file. Raises ConfigError naming what is wrong: an
+    unreadable, oversized, non-UTF-8, too deeply nested or alias-bombed file included."""
+    text = _decode(path, _read_bytes(path))
+    return parse_config(load_yaml_text(text, path))
