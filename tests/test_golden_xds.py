@@ -179,15 +179,15 @@ def resource_digest(controller: Controller) -> dict[str, Any]:
 def run_scenario(raw: dict[str, Any]) -> list[dict[str, Any]]:
     config = parse_config(raw)
     clock = [START]
-    tick = [0]
-    scraper = PageScraper(lambda: fleet_pages(config, tick[0]))
+    pages: list[dict[str, str]] = [{}]
+    scraper = PageScraper(lambda: pages[0])
     controller = Controller(config, SnapshotCache(), scraper=scraper, clock=lambda: clock[0])
 
     async def ticks() -> list[dict[str, Any]]:
         recorded = []
         try:
             for t in range(TICKS):
-                tick[0] = t
+                pages[0] = fleet_pages(config, t)  # once per tick, not once per fetch
                 await controller.tick()
                 recorded.append(resource_digest(controller))
                 clock[0] += INTERVAL

@@ -15,6 +15,7 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from functools import cache
 from typing import TYPE_CHECKING
 
 from xds_server import __version__
@@ -259,6 +260,7 @@ _DELEGATED = {
 PLUGIN_GROUP = "trimtab.commands"  # development tools (trimtab_dev) register sim, load, bench
 
 
+@cache
 def _plugins() -> dict[str, str]:
     """Commands other installed packages add (name -> "module:function"); the product names
     none of them, so it never imports the development tools."""
@@ -279,9 +281,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _DELEGATED:
         return _run_plugin(_DELEGATED[argv[0]][0], argv[1:])
-    plugins = _plugins() if argv and not argv[0].startswith("-") else {}
-    if argv and argv[0] in plugins:
-        return _run_plugin(plugins[argv[0]], argv[1:])
+    if argv and argv[0] in _plugins():
+        return _run_plugin(_plugins()[argv[0]], argv[1:])
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     handlers = {"serve": cmd_serve, "validate": cmd_validate, "rollout": cmd_rollout,
