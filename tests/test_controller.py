@@ -15,6 +15,7 @@ from envoy.config.cluster.v3 import cluster_pb2
 from prometheus_client import REGISTRY
 
 from tests.support.backends import serve_pages
+from tests.support.hooks import HookedController
 from tests.xds_fixtures import cluster
 from xds_server.config.load import parse_config
 from xds_server.control import controller as controller_module
@@ -52,11 +53,11 @@ class FakeScraper:
         pass
 
 
-def make(clock_start: float = 1000.0):
+def make(clock_start: float = 1000.0, controller_type: type[Controller] = Controller):
     clock = [clock_start]
     scraper = FakeScraper()
     cache = SnapshotCache()
-    controller = Controller(CONFIG, cache, scraper=scraper, clock=lambda: clock[0])
+    controller = controller_type(CONFIG, cache, scraper=scraper, clock=lambda: clock[0])
     return controller, scraper, cache, clock
 
 
@@ -118,7 +119,8 @@ def test_pool_with_all_telemetry_lost_is_fail_static():
 
 
 def test_inconsistent_snapshot_is_refused_and_last_good_stays():
-    controller, scraper, cache, clock = make()
+    controller, scraper, cache, clock = make(controller_type=HookedController)
+    assert isinstance(controller, HookedController)
     scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
     asyncio.run(controller.tick())
     good = cache.snapshot

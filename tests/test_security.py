@@ -28,6 +28,7 @@ from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
 
 from tests.support.certs import CertFiles, TestCA
+from tests.support.hooks import HookedController
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
 from xds_server.config.checks import node_pool_problems
 from xds_server.config.load import parse_config
@@ -415,10 +416,10 @@ class NoScraper:
         pass
 
 
-def published(config: Config = CONFIG, canary: dict[str, float] | None = None
-              ) -> tuple[Controller, SnapshotCache]:
+def published(config: Config = CONFIG, canary: dict[str, float] | None = None,
+              controller_type: type[Controller] = Controller) -> tuple[Controller, SnapshotCache]:
     cache = SnapshotCache()
-    controller = Controller(config, cache, scraper=NoScraper(), clock=lambda: 1000.0)  # type: ignore[arg-type]
+    controller = controller_type(config, cache, scraper=NoScraper(), clock=lambda: 1000.0)  # type: ignore[arg-type]
     controller.set_canary_percent(canary or {})
     controller.ingest({})
     assert controller.publish()
@@ -560,7 +561,8 @@ def test_views_follow_the_published_snapshot_not_a_config_whose_snapshot_was_ref
     views are built from what the cached snapshot was published with, so nodes keep getting
     a consistent view of it (read from the live config, this view was refused, and a pool
     set without an earlier view got nothing)."""
-    controller, cache = published()
+    controller, cache = published(controller_type=HookedController)
+    assert isinstance(controller, HookedController)
     views = SnapshotViews()
     controller.mutators.append(lambda messages: messages[T.ROUTE].clear())  # refused: no RDS
     controller.apply_config(_qwen_falls_back_to_llama())

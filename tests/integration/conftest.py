@@ -2,7 +2,7 @@
 
 One *stack* per xDS flavour (``sotw``, ``delta``), shared by the tests of a module: five fake
 backends (pool ``alpha`` has three, pool ``beta`` two), ``trimtab serve`` as a subprocess
-(``TRIMTAB_TEST_HOOKS=1``) and a real Envoy that takes everything over ADS. The function-scoped
+(through ``tests.support.launcher``, with its hooks server) and a real Envoy that takes everything over ADS. The function-scoped
 ``stack`` fixture puts the shared stack back into its baseline state before each test (trimtab
 running, hooks off, every backend healthy at its baseline memory, Envoy showing those weights),
 so a test's outcome never depends on the tests that ran before it.
@@ -41,6 +41,7 @@ MODELS = {"alpha": "example/alpha-8b", "beta": "example/beta-70b"}
 POOL_SIZES = {"alpha": 3, "beta": 2}
 BASELINE_PCT = {"alpha": (10.0, 50.0, 90.0), "beta": (30.0, 70.0)}  # -> 95/75/55, 85/65
 TRIMTAB_STOP_S = 5.0
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: `tests` is importable from here
 
 
 def expected_weight(used_mib: float, total_mib: float) -> int:
@@ -85,20 +86,25 @@ def http_json(url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, An
 
 @dataclass
 class TrimtabProcess:
-    """``python -m xds_server.cli serve`` as a child process, stopped by PID."""
+    """``python -m xds_server.cli serve`` as a child process, stopped by PID. With a
+    ``hooks_port``, ``python -m tests.support.launcher`` instead: the same serve path with a
+    hooked controller, its hooks server on that port (see :meth:`set_invalid_weight`)."""
 
     config_path: Path
     admin_port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    hooks_port: int | None = None
 
     def start(self) -> None:
         assert not self.running(), "trimtab already running"
-        env = {**os.environ, "TRIMTAB_TEST_HOOKS": "1"}
-        cmd = [sys.executable, "-m", "xds_server.cli", "serve", "--config", str(self.config_path)]
+        cmd = ([sys.executable, "-m", "xds_server.cli", "serve", "--config", str(self.config_path)]
+               if self.hooks_port is None else
+               [sys.executable, "-m", "tests.support.launcher", "--config", str(self.config_path),
+                "--hooks", f"127.0.0.1:{self.hooks_port}"])
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env)
+                                         stderr=subprocess.STDOUT, cwd=ROOT)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -134,7 +140,8 @@ class TrimtabProcess:
             return parse_metric(resp.read().decode(), name, **labels)
 
     def set_invalid_weight(self, pool: str, enabled: bool) -> dict[str, Any]:
-        status, body = http_json(self.url("/v1/test/invalid-weight"),
+        assert self.hooks_port is not None, "started without hooks"
+        status, body = http_json(f"http://127.0.0.1:{self.hooks_port}/invalid-weight",
                                  {"pool": pool, "enabled": enabled})
         assert status == 200, body
         return body
@@ -255,7 +262,8 @@ def shared_stack(request: pytest.FixtureRequest,
     trimtab = envoy = None
     try:
         members = write_config(workdir / "trimtab.yaml", fleet, ports)
-        trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log")
+        trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log",
+                                 hooks_port=free_port())
         envoy = EnvoyProcess(extra_args=["--concurrency", "2"])
         bootstrap = render_bootstrap(xds_host="127.0.0.1", xds_port=ports["xds"],
                                      admin_port=ports["envoy_admin"], api=api)
