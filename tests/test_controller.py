@@ -7,7 +7,6 @@ import asyncio
 import logging
 import math
 import threading
-import time
 from dataclasses import replace
 
 import pytest
@@ -16,6 +15,7 @@ from prometheus_client import REGISTRY
 
 from tests.support.backends import serve_pages
 from tests.support.hooks import HookedController
+from tests.support.wait import wait_until_async
 from tests.xds_fixtures import cluster
 from xds_server.config.load import parse_config
 from xds_server.control import controller as controller_module
@@ -327,9 +327,7 @@ async def _tick_with_config_change(controller: Controller, entered: threading.Ev
     """Tick; while the worker is held, the loop applies OTHER. True if the loop got to run
     while the worker held the tick."""
     tick = asyncio.create_task(controller.tick())
-    deadline = time.monotonic() + 10.0
-    while not entered.is_set() and time.monotonic() < deadline:
-        await asyncio.sleep(0.001)
+    await wait_until_async(entered.is_set, 10.0, "the worker to hold the tick", every=0.001)
     loop_ran_meanwhile = entered.is_set() and not tick.done()
     controller.apply_config(OTHER)
     release.set()

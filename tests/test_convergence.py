@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+from tests.support.metrics import sample_value
 from tests.xds_fixtures import BASE, snapshot
-from xds_server.admin import metrics
 from xds_server.xds import type_urls as T
 from xds_server.xds.convergence import Convergence, StreamConvergence
 
 
 def _count(api: str) -> float:
-    for sample in metrics.CONVERGENCE_SECONDS.collect()[0].samples:
-        if sample.name.endswith("_count") and sample.labels.get("api") == api:
-            return sample.value
+    return sample_value("trimtab_convergence_seconds_count", api=api)
     return 0.0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from tests.support.fake_kube import FakeKube
+from tests.support.wait import wait_until
 from tests.test_rollouts_controller import CANARY, STABLE, Feed, GoodTracker, page, split
 from xds_server.admin.api import AdminApi
 from xds_server.config.load import ConfigError, parse_config
@@ -282,16 +283,13 @@ def test_a_leader_partitioned_from_the_lease_stops_writing_before_anyone_else_ma
     a = CoordinatedRollouts(config(), store, a_elector)
     a_elector.start()
     try:
-        deadline = time.monotonic() + 5
-        while not a_elector.is_leader() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(a_elector.is_leader, 5, "A to lead", every=0.01)
         b_elector.start()
         tick(a, 0.0)
         assert len(writes(kube)) == 1
         kube.partition(lease_port)
         cut_at = time.monotonic()
-        while a_elector.is_leader():
-            time.sleep(0.01)
+        wait_until(lambda: not a_elector.is_leader(), 10, "A to stop leading", every=0.01)
         assert time.monotonic() - cut_at <= 1.0 + 0.4  # the deadline + sampling on a busy box
         assert not b_elector.is_leader()  # B has to wait lease_seconds from its last look
         tick(a, 10.0)  # a step is due and the ConfigMap is reachable

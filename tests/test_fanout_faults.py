@@ -47,6 +47,7 @@ from benchmarks.xds_fanout import (
     synthetic_config,
 )
 from tests import xds_fixtures as fixtures
+from tests.support.wait import wait_until_async
 from tests.xds_fixtures import snapshot
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
@@ -94,13 +95,6 @@ async def serving(cache: SnapshotCache, limits: StreamLimits | None = None
 def current(cache: SnapshotCache) -> Snapshot:
     assert cache.snapshot is not None
     return cache.snapshot
-
-
-async def eventually(predicate, timeout: float = WAIT_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 class LoopLag:
@@ -175,7 +169,7 @@ async def _publish_and_follow(cache: SnapshotCache, stats: ClientStats, tracker:
         new = stuck_snapshot(step, huge)
         tracker.expect(step, cla_keys(new, current(cache)))
         cache.set_snapshot(new)
-        await eventually(lambda s=step: len(stats.done) > s)
+        await wait_until_async(lambda s=step: len(stats.done) > s)
 
 
 @pytest.mark.parametrize(("shared_connection", "huge"), [(False, True), (True, True), (False, False)],
@@ -196,14 +190,14 @@ def test_stuck_stream_delays_nobody_and_coalesces(shared_connection, huge):
                 servicer, target), \
                 grpc.aio.insecure_channel(target, options=options) as stuck_channel:
             stuck = await _stuck_stream(stuck_channel, sorted(current(cache).of_type(T.ENDPOINT)))
-            await eventually(lambda: servicer.started["stuck", "eds"] == 1)
+            await wait_until_async(lambda: servicer.started["stuck", "eds"] == 1)
             tracker, stats = Tracker(), ClientStats("normal", "sotw")
             tracker.expect(0, cla_keys(current(cache), None))
             channel = (stuck_channel if shared_connection
                        else grpc.aio.insecure_channel(target, options=options))
             normal = asyncio.create_task(Client(stats, tracker).run(channel))
             with LoopLag() as lag:
-                await eventually(lambda: len(stats.done) == 1)
+                await wait_until_async(lambda: len(stats.done) == 1)
                 await _publish_and_follow(cache, stats, tracker, updates, huge)
             assert stats.error is None and len(stats.done) == updates + 1
             assert lag.worst < 1.0, f"the event loop stalled for {lag.worst:.3f} s"
@@ -248,7 +242,7 @@ def test_reconnect_storm_of_200_clients_is_served(api):
         async with serving(cache) as (servicer, target):
             started = time.monotonic()
             tasks = [asyncio.create_task(run_client(target, stats, tracker)) for stats in everyone]
-            await eventually(lambda: tracker.done_count[0] == clients, timeout=bound_s)
+            await wait_until_async(lambda: tracker.done_count[0] == clients, timeout=bound_s)
             elapsed = time.monotonic() - started
             assert len(servicer.streams) == clients
             for task in tasks:
@@ -318,10 +312,10 @@ def test_full_push_over_4_mib_reaches_an_envoy_default_client(api):
             task = asyncio.create_task(run_client(f"127.0.0.1:{port}", stats, tracker,
                                                   ENVOY_MAX_RECEIVE, retry=False))
             with contextlib.suppress(AssertionError):
-                await eventually(lambda: stats.done or stats.error is not None, timeout=20)
+                await wait_until_async(lambda: stats.done or stats.error is not None, timeout=20)
             assert stats.error is None and stats.done, stats.error
             [info] = servicer.streams
-            await eventually(lambda: info.machine.types[T.ENDPOINT].pending_nonce is None)
+            await wait_until_async(lambda: info.machine.types[T.ENDPOINT].pending_nonce is None)
             eds = info.machine.types[T.ENDPOINT]
             full = current(cache).versions[T.ENDPOINT]
             assert eds.acked_version == full and not eds.more  # the last part was ACKed
@@ -498,11 +492,11 @@ def test_an_impostor_nacking_everything_as_victim_does_not_deny_victim_its_confi
                 grpc.aio.insecure_channel(target) as channel:
             impostor = Impostor(channel, api, "victim")
             attack = asyncio.create_task(impostor.run(current(cache)))
-            await eventually(lambda: set(impostor.nacked) == {"cds", "eds", "lds", "rds"})
+            await wait_until_async(lambda: set(impostor.nacked) == {"cds", "eds", "lds", "rds"})
             tracker, stats = Tracker(), ClientStats("victim", api)
             tracker.expect(0, cla_keys(current(cache), None))
             victim = asyncio.create_task(run_client(target, stats, tracker, retry=False))
-            await eventually(lambda: len(stats.done) == 1 or stats.error is not None)
+            await wait_until_async(lambda: len(stats.done) == 1 or stats.error is not None)
             assert stats.error is None and stats.got == {T.CLUSTER, T.ENDPOINT, T.LISTENER,
                                                          T.ROUTE}
             assert sorted(s.node_id for s in servicer.streams) == ["victim", "victim"]

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,6 +14,7 @@ import pytest
 from kubernetes.client.models import V1EndpointSlice
 
 from tests.support.fake_kube import FakeKube, endpoint, endpoint_slice
+from tests.support.wait import wait_until_async
 from xds_server.control.discovery.kubernetes import (
     Backoff,
     DiscoveredEndpoint,
@@ -60,13 +61,6 @@ def kube() -> Iterator[FakeKube]:
         yield fake
     leftovers = [t.name for t in threading.enumerate() if t.name.startswith("k8s-endpoint")]
     assert leftovers == []
-
-
-async def _until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 @contextlib.asynccontextmanager
@@ -150,19 +144,19 @@ def test_initial_list_then_added_modified_deleted(kube: FakeKube) -> None:
             assert _addresses(watcher.current()) == ["10.0.0.1:8000", "10.0.0.2:8000"]
             [listed] = kube.records("list")
             assert listed.label_selector == f"kubernetes.io/service-name={SERVICE}"
-            await _until(lambda: len(kube.records("watch")) == 1)
+            await wait_until_async(lambda: len(kube.records("watch")) == 1)
             [watched] = kube.records("watch")
             assert watched.resource_version == watcher.resource_version
             assert watched.allow_bookmarks and watched.timeout_seconds == 30
             kube.apply(_slice("llm-b", endpoint("fd00::7")))
-            await _until(lambda: len(watcher.current()) == 3)
+            await wait_until_async(lambda: len(watcher.current()) == 3)
             kube.apply(_slice("llm-a", endpoint("10.0.0.1", ready=False, serving=True,
                                                 terminating=True)))
-            await _until(lambda: len(watcher.current()) == 2)
+            await wait_until_async(lambda: len(watcher.current()) == 2)
             assert [(e.address, e.health) for e in watcher.current()] == [
                 ("10.0.0.1:8000", DRAINING), ("[fd00::7]:8000", HEALTHY)]
             kube.delete("llm-a")
-            await _until(lambda: _addresses(watcher.current()) == ["[fd00::7]:8000"])
+            await wait_until_async(lambda: _addresses(watcher.current()) == ["[fd00::7]:8000"])
             assert seen[-1] == watcher.current()
             assert len(kube.records("list")) == 1
 
@@ -176,7 +170,7 @@ def test_changed_event_is_level_based(kube: FakeKube) -> None:
             watcher.changed.clear()
             for index in range(5):
                 kube.apply(_slice(f"s{index}", endpoint(f"10.0.1.{index}")))
-            await _until(lambda: len(watcher.current()) == 5)
+            await wait_until_async(lambda: len(watcher.current()) == 5)
             assert watcher.changed.is_set()
 
     asyncio.run(scenario())
@@ -188,19 +182,19 @@ def test_dropped_connection_resumes_from_last_rv_after_backoff(kube: FakeKube) -
 
     async def scenario() -> None:
         async with _watching(kube, backoff=backoff) as watcher:
-            await _until(lambda: kube.open_watches() == 1)
+            await wait_until_async(lambda: kube.open_watches() == 1)
             watcher.changed.clear()
             bookmark_rv = kube.bookmark()
-            await _until(lambda: watcher.resource_version == bookmark_rv)
+            await wait_until_async(lambda: watcher.resource_version == bookmark_rv)
             assert not watcher.changed.is_set()  # a bookmark moves the RV, not the set
             dropped_at = time.monotonic()
             kube.drop_watches()
             kube.apply(_slice("s2", endpoint("10.0.0.2")))  # while disconnected
-            await _until(lambda: len(kube.records("watch")) == 2)
+            await wait_until_async(lambda: len(kube.records("watch")) == 2)
             assert time.monotonic() - dropped_at >= 0.1  # waited out the backoff
             assert kube.records("watch")[1].resource_version == bookmark_rv
             assert len(backoff.delays) == 1
-            await _until(lambda: len(watcher.current()) == 2)
+            await wait_until_async(lambda: len(watcher.current()) == 2)
             assert len(kube.records("list")) == 1  # caught up by the watch, not a re-list
 
     asyncio.run(scenario())
@@ -212,7 +206,7 @@ def test_gone_on_resume_relists_from_scratch(kube: FakeKube, form: str) -> None:
 
     async def scenario() -> None:
         async with _watching(kube) as watcher:
-            await _until(lambda: kube.open_watches() == 1)
+            await wait_until_async(lambda: kube.open_watches() == 1)
             old_rv = watcher.resource_version
             kube.fail_next("watch", 503, count=10_000)  # keep it disconnected meanwhile
             kube.drop_watches()
@@ -220,12 +214,12 @@ def test_gone_on_resume_relists_from_scratch(kube: FakeKube, form: str) -> None:
             kube.apply(_slice("s2", endpoint("10.0.0.2")))
             kube.compact(form)  # type: ignore[arg-type]
             kube.clear_failures()
-            await _until(lambda: len(kube.records("list")) == 2)
-            await _until(lambda: _addresses(watcher.current()) == ["10.0.0.2:8000"])
+            await wait_until_async(lambda: len(kube.records("list")) == 2)
+            await wait_until_async(lambda: _addresses(watcher.current()) == ["10.0.0.2:8000"])
             watches = [r.resource_version for r in kube.records("watch")]
             gone_at = max(i for i, rv in enumerate(watches) if rv == old_rv)  # got 410 Gone
             assert gone_at >= 1
-            await _until(lambda: len(kube.records("watch")) > gone_at + 1)
+            await wait_until_async(lambda: len(kube.records("watch")) > gone_at + 1)
             assert kube.records("watch")[gone_at + 1].resource_version == watcher.resource_version
             assert int(watcher.resource_version or 0) > int(old_rv or 0)
 
@@ -237,12 +231,12 @@ def test_gone_error_event_on_open_watch_relists(kube: FakeKube) -> None:
 
     async def scenario() -> None:
         async with _watching(kube) as watcher:
-            await _until(lambda: kube.open_watches() == 1)
+            await wait_until_async(lambda: kube.open_watches() == 1)
             kube.expire_watches()
-            await _until(lambda: len(kube.records("list")) == 2)
-            await _until(lambda: kube.open_watches() == 1)
+            await wait_until_async(lambda: len(kube.records("list")) == 2)
+            await wait_until_async(lambda: kube.open_watches() == 1)
             kube.apply(_slice("s2", endpoint("10.0.0.2")))
-            await _until(lambda: len(watcher.current()) == 2)
+            await wait_until_async(lambda: len(watcher.current()) == 2)
 
     asyncio.run(scenario())
 
@@ -253,16 +247,16 @@ def test_stop_is_prompt_on_an_idle_watch_and_during_backoff(kube: FakeKube) -> N
         watcher = EndpointSliceWatcher(api_client, "default", SERVICE, "http",
                                        watch_timeout_s=60)
         watcher.start()
-        await _until(lambda: kube.open_watches() == 1)
+        await wait_until_async(lambda: kube.open_watches() == 1)
         started = time.monotonic()
         await watcher.aclose()
         assert time.monotonic() - started < 1.0
-        await _until(lambda: kube.open_watches() == 0)
+        await wait_until_async(lambda: kube.open_watches() == 0)
         kube.fail_next("list", 500)
         sleepy = EndpointSliceWatcher(api_client, "default", SERVICE, "http",
                                       backoff=Backoff(base_s=30.0, cap_s=30.0))
         sleepy.start()
-        await _until(lambda: len(kube.records("list")) == 2)
+        await wait_until_async(lambda: len(kube.records("list")) == 2)
         started = time.monotonic()
         await sleepy.aclose()
         assert time.monotonic() - started < 1.0 and not sleepy.synced

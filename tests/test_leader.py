@@ -14,8 +14,10 @@ from typing import Any
 import pytest
 
 from tests.support.fake_kube import FakeKube
+from tests.support.metrics import sample_value
+from tests.support.wait import wait_until, wait_until_async
 from trimtab_dev.envoy_process import free_port
-from xds_server.control.leader import LEADER, LeaseElector, coordination_api_client
+from xds_server.control.leader import LeaseElector, coordination_api_client
 
 NS, NAME = "trimtab", "trimtab-leader"
 LEASE_S, RENEW_S, DEADLINE_S = 3, 0.5, 2.0
@@ -243,10 +245,7 @@ def test_a_partitioned_leader_stops_leading_before_another_can_take_the_lease(
     a = elector(kube.host_on(a_port), "a", **options)
     b = elector(kube.host_on(b_port), "b", **options)
     a.start()
-    deadline = time.monotonic() + 5
-    while not a.is_leader() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert a.is_leader()
+    wait_until(a.is_leader, 5, "A to lead", every=0.01)
     b.start()
     samples: list[tuple[float, bool, bool]] = []
     try:
@@ -282,14 +281,13 @@ def test_the_loop_learns_of_a_lost_lease_at_the_deadline_though_the_thread_is_st
 
     async def scenario() -> tuple[float, float]:
         a.start()
-        while not a.is_leader():
-            await asyncio.sleep(0.01)
+        await wait_until_async(a.is_leader, 10.0, "A to lead")
         await asyncio.sleep(0.1)
-        assert LEADER.labels(identity="stuck")._value.get() == 1  # noqa: SLF001
+        assert sample_value("trimtab_leader", identity="stuck") == 1
         kube.partition(port)
         cut_at = time.monotonic()
-        while LEADER.labels(identity="stuck")._value.get() == 1:  # noqa: SLF001
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: sample_value("trimtab_leader", identity="stuck"), 10.0,
+                               "trimtab_leader to drop to 0", check=lambda v: v != 1)
         return cut_at, time.monotonic()
 
     try:

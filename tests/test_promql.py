@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
+from tests.support.wait import wait_until_async
 from xds_server.telemetry.promql import (
     Answer,
     PromQLError,
@@ -489,14 +490,13 @@ async def _until(
     deadline_s: float = 60.0,
 ) -> PromQLResult:
     """Poll until ``done(result)``; fail (not hang) if Prometheus dies or never gets there."""
-    give_up = time.monotonic() + deadline_s
-    while True:
+
+    async def fetch() -> PromQLResult:
         result = await source.fetch()
-        if done(result):
-            return result
         assert proc.poll() is None, f"prometheus exited with {proc.returncode}"
-        assert time.monotonic() < give_up, f"condition never met; last result {result}"
-        await asyncio.sleep(0.5)
+        return result
+
+    return await wait_until_async(fetch, deadline_s, "the PromQL result", check=done, every=0.5)
 
 
 def _complete(addresses: list[str], signals: set[str]) -> Callable[[PromQLResult], bool]:

@@ -29,6 +29,7 @@ from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, Discovery
 
 from tests.support.certs import CertFiles, TestCA
 from tests.support.hooks import HookedController
+from tests.support.wait import wait_until_async
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
 from xds_server.config.checks import node_pool_problems
 from xds_server.config.load import parse_config
@@ -1034,17 +1035,6 @@ def envoy_bootstrap(pki: Pki, client: CertFiles, who: Node, xds_port: int,
     return config
 
 
-async def _poll(probe: Callable[[], Any], what: str, timeout: float = 15.0) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        value = await asyncio.to_thread(probe)
-        if value:
-            return value
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def _with_envoy(pki: Pki, client: CertFiles, who: Node, guard: XdsGuard,
                       cache: SnapshotCache, check: Callable[[EnvoyProcess], Awaitable[None]]
                       ) -> None:
@@ -1085,7 +1075,8 @@ def test_real_envoy_claiming_another_cluster_is_denied(pki: Pki) -> None:
 
     async def check(envoy: EnvoyProcess) -> None:
         await asyncio.to_thread(envoy.wait_admin, 15)
-        await _poll(lambda: guard.denied["permission"] >= 1, "the guard to deny the stream")
+        await wait_until_async(lambda: guard.denied["permission"] >= 1, 15.0,
+                               "the guard to deny the stream", every=0.05)
         assert (envoy.stat("cluster.xds_cluster.ssl.handshake") or 0) > 0
         assert _dynamic_clusters(envoy) == []
         assert not envoy.stat("cluster_manager.cds.update_success")

@@ -14,7 +14,6 @@ import os
 import re
 import tempfile
 import threading
-import time
 import urllib.request
 from collections.abc import Coroutine, Iterator
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 from yarl import URL
 
+from tests.support.wait import wait_until
 from tests.test_controller import FakeScraper
 from xds_server.admin.api import AdminApi, weights_document
 from xds_server.admin.history import WeightHistory
@@ -304,12 +304,8 @@ def expected_weights(base: str) -> dict[str, int]:
 
 def wait_for(driver: Any, predicate, timeout: float = 8.0) -> dict[str, Any]:
     """Poll the page's DOM until `predicate(state)` holds; returns that state."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = driver.execute_script(PAGE_STATE_JS)
-        if predicate(page) or time.monotonic() > deadline:
-            return page
-        time.sleep(0.1)
+    return wait_until(lambda: driver.execute_script(PAGE_STATE_JS), timeout, "the page's state",
+                      check=predicate, every=0.1)
 
 
 @pytest.mark.slow

@@ -21,8 +21,9 @@ from envoy.service.discovery.v3.discovery_pb2 import (
     DiscoveryResponse,
 )
 
+from tests.support.metrics import sample_value
+from tests.support.wait import wait_until_async
 from tests.xds_fixtures import BASE, snapshot
-from xds_server.admin import metrics
 from xds_server.app import Trimtab
 from xds_server.config.load import ConfigError, parse_config
 from xds_server.xds import server as transport
@@ -116,7 +117,7 @@ def test_protocol_error_closes_stream_with_invalid_argument():
 
 
 def _pushes(kind: str, api: str) -> float:
-    return metrics.PUSHES.labels(type=kind, api=api)._value.get()
+    return sample_value("trimtab_xds_pushes_total", type=kind, api=api)
 
 
 async def _two_eds_pushes(channel, cache, servicer):
@@ -138,7 +139,7 @@ async def _two_eds_pushes(channel, cache, servicer):
                                       response_nonce=second.nonce,
                                       version_info=second.version_info))
     await asyncio.sleep(0.2)
-    assert metrics.SUBSCRIPTIONS.labels(type="eds", api="sotw")._value.get() >= 1
+    assert sample_value("trimtab_xds_subscriptions", type="eds", api="sotw") >= 1
     call.cancel()
 
 
@@ -170,9 +171,7 @@ def test_with_many_streams_pushes_are_summarised_at_info(caplog, monkeypatch):
 
 
 def _convergence_count() -> float:
-    for sample in metrics.CONVERGENCE_SECONDS.collect()[0].samples:
-        if sample.name.endswith("_count") and sample.labels.get("api") == "sotw":
-            return sample.value
+    return sample_value("trimtab_convergence_seconds_count", api="sotw")
     return 0.0
 
 
@@ -180,7 +179,7 @@ def test_an_ack_of_a_stamped_assignment_is_observed_as_convergence():
     before = _convergence_count()
     asyncio.run(_with_server(_two_eds_pushes))
     assert _convergence_count() == before + 1  # only b changed, and it was stamped
-    assert metrics.SUBSCRIPTIONS.labels(type="eds", api="sotw")._value.get() == 0
+    assert sample_value("trimtab_xds_subscriptions", type="eds", api="sotw") == 0
 
 
 # ---- the per-type services ----------------------------------------------------------------
@@ -263,13 +262,6 @@ async def _write_all(call, requests: list[DiscoveryRequest], written: list[int])
         written[0] += 1
 
 
-async def _until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
-
-
 async def _stalled(written: list[int], quiet_s: float = 0.3, timeout: float = 5.0) -> None:
     """Until `written[0]` has not grown for `quiet_s`."""
     deadline = time.monotonic() + timeout
@@ -310,7 +302,7 @@ def test_a_client_that_writes_without_reading_is_held_to_the_inbox_bound():
                                    "StreamAggregatedResources")
         written = [0]
         writer = asyncio.create_task(_write_all(call, flood, written))
-        await _until(lambda: any(len(s.inbox) >= INBOX_LIMIT for s in servicer.streams))
+        await wait_until_async(lambda: any(len(s.inbox) >= INBOX_LIMIT for s in servicer.streams))
         [info] = servicer.streams
         await _stalled(written)
         assert len(info.inbox) == info.inbox.max_seen == INBOX_LIMIT
@@ -360,7 +352,7 @@ def test_a_request_naming_more_than_max_resource_names_ends_the_stream_resource_
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "101 eds resource names" in (info.value.details() or "")
         assert "xds.limits.max_resource_names" in (info.value.details() or "")
-        await _until(lambda: not servicer.streams)
+        await wait_until_async(lambda: not servicer.streams)
     asyncio.run(_with_server(body, limits=StreamLimits(max_resource_names=100)))
 
 
@@ -385,7 +377,7 @@ def test_a_closed_stream_leaves_nothing_of_its_subscription_behind():
             del info
             held = tracemalloc.get_traced_memory()[0] - before
             call.cancel()
-            await _until(lambda: not servicer.streams)
+            await wait_until_async(lambda: not servicer.streams)
             gc.collect()
             left = tracemalloc.get_traced_memory()[0] - before
         finally:
@@ -407,7 +399,7 @@ def test_the_heap_is_trimmed_once_after_streams_holding_many_names_close():
         assert calls == [] and trimmer.trims == 0
         for _ in range(5):  # closes in a burst share one trim
             trimmer.closed(300)
-        await _until(lambda: trimmer.trims == 1)
+        await wait_until_async(lambda: trimmer.trims == 1)
         await asyncio.sleep(0.1)
         assert calls == [0] and trimmer.trims == 1
         machine = transport.SotwStream()
@@ -429,7 +421,7 @@ def test_a_whole_state_too_large_to_send_is_withheld_and_logged_once_as_ours(cap
             eds = await asyncio.wait_for(call.read(), 5)
             assert eds.type_url == T.ENDPOINT  # EDS fits and is sent; CDS is not
             calls.append(call)
-        await _until(lambda: len(servicer.streams) == 2)
+        await wait_until_async(lambda: len(servicer.streams) == 2)
         assert all(s.machine.types[T.CLUSTER].last_nonce == "" for s in servicer.streams)
         errors = _messages(caplog, logging.ERROR, "not sending cds")
         assert len(errors) == 1 and "whole-state type cannot be split" in errors[0]

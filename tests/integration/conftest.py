@@ -18,19 +18,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import BackendFleet
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
-
-T = TypeVar("T")
 
 INTERVAL_S = 0.5  # telemetry.interval_seconds: short, to keep the tests fast
 STALE_AFTER_S = 3.0  # telemetry.stale_after_seconds: several ticks
@@ -48,21 +47,6 @@ def expected_weight(used_mib: float, total_mib: float) -> int:
     """The documented formula, computed independently of trimtab's code."""
     pct = 100.0 * used_mib / total_mib
     return max(1, min(100, round(100 - pct / 2)))
-
-
-def wait_for(probe: Callable[[], T], timeout: float, what: str,
-             check: Callable[[T], object] = bool, every: float = 0.02) -> T:
-    """Call ``probe`` until ``check(value)`` holds; return that value, or fail naming ``what``
-    and the last value seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if check(value):
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.2f}s waiting for {what}; "
-                                 f"last: {value!r}")
-        time.sleep(every)
 
 
 def parse_metric(text: str, name: str, **labels: str) -> float | None:
@@ -121,7 +105,7 @@ class TrimtabProcess:
             return False
 
     def wait_ready(self, timeout: float = SETTLE_S) -> None:
-        wait_for(self._ready, timeout, "trimtab /readyz 200")
+        wait_until(self._ready, timeout, "trimtab /readyz 200")
 
     def ticks(self) -> int:
         return int(http_json(self.url("/readyz"))[1]["ticks"])
@@ -129,8 +113,8 @@ class TrimtabProcess:
     def wait_ticks(self, count: int, since: int | None = None) -> None:
         """Wait until ``count`` ticks have run after tick number ``since`` (default: now)."""
         target = (self.ticks() if since is None else since) + count
-        wait_for(self.ticks, count * INTERVAL_S + SETTLE_S, f"tick {target}",
-                 check=lambda ticks: ticks >= target)
+        wait_until(self.ticks, count * INTERVAL_S + SETTLE_S, f"tick {target}",
+                   check=lambda ticks: ticks >= target)
 
     def weights(self) -> dict[str, Any]:
         return http_json(self.url("/v1/weights"))[1]
@@ -202,8 +186,8 @@ class Stack:
 
     def wait_envoy(self, pool: str, want: dict[str, int], timeout: float = SETTLE_S) -> float:
         """Poll Envoy until ``pool`` has exactly ``want``; returns when (monotonic)."""
-        wait_for(lambda: self.envoy_weights(pool), timeout, f"Envoy {pool} weights {want}",
-                 check=lambda weights: weights == want, every=0.01)
+        wait_until(lambda: self.envoy_weights(pool), timeout, f"Envoy {pool} weights {want}",
+                   check=lambda weights: weights == want, every=0.01)
         return time.monotonic()
 
     def stat(self, name: str) -> int:
@@ -222,9 +206,9 @@ class Stack:
             self.set_pcts(pool, pcts)
         for pool in BASELINE_PCT:
             self.wait_envoy(pool, self.expected(pool))
-        wait_for(lambda: self.envoy.stat("control_plane.connected_state"), SETTLE_S,
-                 "Envoy connected to trimtab", check=lambda state: state == 1)
-        wait_for(self.trimtab.weights, SETTLE_S, "no stale endpoint", check=_nothing_stale)
+        wait_until(lambda: self.envoy.stat("control_plane.connected_state"), SETTLE_S,
+                   "Envoy connected to trimtab", check=lambda state: state == 1)
+        wait_until(self.trimtab.weights, SETTLE_S, "no stale endpoint", check=_nothing_stale)
 
 
 def _nothing_stale(document: dict[str, Any]) -> bool:
