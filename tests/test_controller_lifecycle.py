@@ -14,6 +14,7 @@ import yaml
 from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client import REGISTRY, generate_latest
 
+from tests.support.wait import wait_until_async
 from xds_server.admin.api import AdminApi
 from xds_server.app import Trimtab, restart_only_changes
 from xds_server.config.load import parse_config
@@ -158,8 +159,7 @@ def test_reload_takes_a_new_tick_interval_at_once() -> None:
         controller = Controller(parse_config(_static(30.0)), SnapshotCache())
         stop = asyncio.Event()
         runner = asyncio.create_task(controller.run(stop))
-        while controller.stats.ticks < 1:
-            await asyncio.sleep(0.01)
+        await wait_until_async(lambda: controller.stats.ticks, 10.0, "the first tick")
         await controller.reload(parse_config(_static(0.05)))
         await asyncio.sleep(0.6)
         stop.set()

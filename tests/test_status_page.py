@@ -302,7 +302,7 @@ def expected_weights(base: str) -> dict[str, int]:
     return {f"{pool}/{a}": e["weight"] for pool, eps in doc["pools"].items() for a, e in eps.items()}
 
 
-def wait_for(driver: Any, predicate, timeout: float = 8.0) -> dict[str, Any]:
+def wait_for_page(driver: Any, predicate, timeout: float = 8.0) -> dict[str, Any]:
     """Poll the page's DOM until `predicate(state)` holds; returns that state."""
     return wait_until(lambda: driver.execute_script(PAGE_STATE_JS), timeout, "the page's state",
                       check=predicate, every=0.1)
@@ -322,7 +322,7 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
         with chromium() as driver:
             driver.get(f"{base}/")
             want = expected_weights(base)
-            page = wait_for(driver, lambda p: p["rows"] == want and p["paths"].keys() == want.keys())
+            page = wait_for_page(driver, lambda p: p["rows"] == want and p["paths"].keys() == want.keys())
             if os.environ.get("TRIMTAB_SCREENSHOT"):
                 driver.save_screenshot(os.environ["TRIMTAB_SCREENSHOT"])
             assert page["rows"] == want
@@ -338,7 +338,7 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
             run_on(loop, plane.tick({"10.0.0.2:80": 96.0}))
             want = expected_weights(base)
             assert want["llama/10.0.0.2:80"] == 52
-            page = wait_for(driver, lambda p: p["rows"] == want and p["points"] == want)
+            page = wait_for_page(driver, lambda p: p["rows"] == want and p["points"] == want)
             assert page["rows"] == want and page["points"] == want
             assert page["paths"]["llama/10.0.0.2:80"] == {"weight": 52, "steps": 4}
             assert page["bands"] == ["llama/10.0.0.3:80"]  # stale from the 4th tick on

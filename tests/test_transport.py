@@ -237,11 +237,7 @@ def test_every_per_type_service_serves_its_type_and_takes_the_ack(service, metho
             [info] = servicer.streams
             return info.machine.types[type_url].acked_version
 
-        for _ in range(100):
-            if acked():
-                break
-            await asyncio.sleep(0.02)
-        assert acked() == version
+        assert await wait_until_async(acked, 2.0, "the ACK", every=0.02) == version
     asyncio.run(_with_server(body))
 
 
