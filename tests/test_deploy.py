@@ -882,8 +882,8 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
     another cluster is refused."""
     import asyncio
 
+    from tests.security.test_security import CONFIG, published, with_free_listener
     from tests.support.certs import TestCA
-    from tests.test_security import CONFIG, published, with_free_listener
     from trimtab_dev.envoy_process import EnvoyProcess, free_port
     from xds_server.security.authz import NodeAuthorizer
     from xds_server.security.guard import XdsGuard

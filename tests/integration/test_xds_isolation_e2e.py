@@ -36,7 +36,6 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 )
 from google.rpc import status_pb2
 
-from tests import xds_fixtures as fixtures
 from tests.integration.conftest import (
     BASELINE_PCT,
     MODELS,
@@ -47,6 +46,7 @@ from tests.integration.conftest import (
     write_config,
 )
 from tests.support import BackendFleet
+from tests.support import xds_fixtures as fixtures
 from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
 from xds_server.xds import type_urls as T
