@@ -10,10 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from xds_server.telemetry.parsers.dcgm import dcgm_memory, dcgm_util
-from xds_server.telemetry.parsers.reader import Reader, index_page
+from xds_server.telemetry.parsers.reader import MetricsFormatError, Reader, index_page
 from xds_server.telemetry.parsers.servers import EXTRACTORS
 from xds_server.telemetry.reading import COUNTERS, PageReading
-from xds_server.telemetry.scrape import MetricsFormatError
 
 SERVERS = ("vllm", "sglang", "tgi", "trtllm")
 _PREFIXES: Mapping[str, tuple[str, ...]] = {
@@ -50,7 +49,7 @@ def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None) ->
     combined: queue/running/capacity summed, kv_usage maxed, histogram sums/counts summed.
     A present-but-invalid signal is dropped and described in ``problems``.
 
-    Raises :class:`~xds_server.telemetry.scrape.MetricsFormatError` when the page does not parse,
+    Raises :class:`~xds_server.telemetry.parsers.reader.MetricsFormatError` when the page does not parse,
     carries no recognised metrics, or none of its recognised signals survived validation.
     """
     index = index_page(text)
