@@ -25,7 +25,7 @@ from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.autoscale import Autoscaler
 from xds_server.control.rollouts.runner import Rollouts
-from xds_server.control.slo import SloTracker, split_signals
+from xds_server.control.slo import SloTracker
 from xds_server.control.weights import LatencyWindow, cluster_weights
 from xds_server.envoy.clusters import (
     DEGRADED,
@@ -372,9 +372,8 @@ class Controller:
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
         if result.signals is not None:
-            plain, slo = split_signals(result.signals)
-            self.slo.record(address, result.collected_at, slo)
-            clean, rejected = screen_signals(plain)
+            self.slo.record(address, result.collected_at, result.slo)
+            clean, rejected = screen_signals(result.signals)
             self.latency.record(address, result.collected_at, clean)
             self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)

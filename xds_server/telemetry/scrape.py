@@ -23,6 +23,7 @@ from xds_server.telemetry.bounds import (
     refuse_unparsed,
 )
 from xds_server.telemetry.parsers.page import page_signals
+from xds_server.telemetry.reading import SloCounters
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -80,6 +81,7 @@ class ScrapeResult:
     error: str | None
     collected_at: float
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None  # the canary gates' counters, when a rollout reads them
 
 
 @dataclass(frozen=True)
@@ -88,6 +90,7 @@ class ParsedPage:
 
     signals: dict[str, float]
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None
 
 
 PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
@@ -190,7 +193,7 @@ class Scraper:
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
-            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems)
+            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo)
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
