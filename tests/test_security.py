@@ -28,6 +28,7 @@ from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
 
 from tests.support.certs import CertFiles, TestCA
+from tests.support.pinned_rollouts import PinnedRollouts
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
 from xds_server.config.checks import node_pool_problems
 from xds_server.config.load import parse_config
@@ -418,10 +419,10 @@ class NoScraper:
 def published(config: Config = CONFIG, canary: dict[str, float] | None = None
               ) -> tuple[Controller, SnapshotCache]:
     cache = SnapshotCache()
-    controller = Controller(config, cache, scraper=NoScraper(), clock=lambda: 1000.0)  # type: ignore[arg-type]
-    controller.set_canary_percent(canary or {})
+    controller = Controller(config, cache, scraper=NoScraper(), clock=lambda: 1000.0,  # type: ignore[arg-type]
+                            rollouts=PinnedRollouts(config, canary))
     controller.ingest({})
-    assert controller.publish()
+    assert controller.reconcile()
     return controller, cache
 
 
@@ -542,8 +543,8 @@ def test_a_view_route_is_rebuilt_when_the_canary_percent_changes() -> None:
     llama = frozenset({"llama3-8b"})
     before = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
     assert before is not None and canary_splits(before) == set()
-    controller.set_canary_percent({"llama3-8b": 40.0})
-    assert controller.publish()
+    controller.rollouts.pinned = {"llama3-8b": 40.0}  # type: ignore[attr-defined]
+    assert controller.reconcile()
     after = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
     assert after is not None and views.routes_built == 2
     assert canary_splits(after) == {("llama3-8b", 600), ("llama3-8b-canary", 400)}

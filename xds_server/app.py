@@ -211,8 +211,7 @@ class Trimtab:
         return lambda: self.history.record(at, document)
 
     def _apply_discovered(self, config: Config) -> None:
-        self.controller.apply_config(config)
-        self.controller.publish()
+        self.controller.reconcile(config)
 
     async def close(self) -> None:
         if self.elector is not None:  # first: stop driving, hand the Lease to another replica
