@@ -5,8 +5,10 @@ to them over real gRPC (in-process server, no Envoy)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -299,6 +301,25 @@ async def _until(predicate, timeout: float = 5.0) -> None:
         await asyncio.sleep(0.01)
 
 
+@contextlib.asynccontextmanager
+async def _ads_stream(servicer: XdsServicer) -> AsyncIterator[grpc.aio.StreamStreamCall]:
+    """A SotW ADS stream to `servicer`, served in-process on a free port."""
+    server, port = await start_xds_server(servicer, "127.0.0.1:0")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            yield channel.stream_stream(
+                ADS, request_serializer=DiscoveryRequest.SerializeToString,
+                response_deserializer=DiscoveryResponse.FromString)()
+    finally:
+        await server.stop(None)
+
+
+def _servicer(observers: list[StreamObserver]) -> XdsServicer:
+    cache = SnapshotCache()
+    cache.set_snapshot(snapshot(BASE))
+    return XdsServicer(cache, observers=observers)
+
+
 def test_a_failing_observer_never_breaks_a_stream(caplog) -> None:
     """An observer that raises from every hook, placed before all the others: the stream is
     served, ACKed and NACKed as usual, the observers after it see everything, and each hook's
@@ -306,34 +327,26 @@ def test_a_failing_observer_never_breaks_a_stream(caplog) -> None:
     recorder, boom = Recorder(), Boom()
 
     async def body() -> None:
-        cache = SnapshotCache()
-        cache.set_snapshot(snapshot(BASE))
-        servicer = XdsServicer(cache, observers=[recorder])
+        servicer = _servicer([recorder])
+        cache = servicer.cache
         servicer.observers = Observers([boom, *servicer.observers.observers])
         pushes = _sample("trimtab_xds_pushes_total", type="cds", api="sotw")
         nacks = _sample("trimtab_xds_nacks_total", type="cds")
-        server, port = await start_xds_server(servicer, "127.0.0.1:0")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream(
-                    ADS, request_serializer=DiscoveryRequest.SerializeToString,
-                    response_deserializer=DiscoveryResponse.FromString)()
-                await call.write(DiscoveryRequest(node={"id": "n-1"}, type_url=T.CLUSTER))
-                first = await asyncio.wait_for(call.read(), 5)
-                await call.write(DiscoveryRequest(type_url=T.CLUSTER, response_nonce=first.nonce,
-                                                  version_info=first.version_info))
-                cache.set_snapshot(snapshot({**BASE, "c": {"10.0.2.1:80": 5}}))
-                second = await asyncio.wait_for(call.read(), 5)
-                await call.write(DiscoveryRequest(
-                    type_url=T.CLUSTER, response_nonce=second.nonce,
-                    version_info=first.version_info, error_detail={"message": "bad cluster"}))
-                await _until(lambda: len(recorder.of("event")) >= 3)
-                [info] = servicer.streams
-                assert info.machine.types[T.CLUSTER].acked_version == first.version_info
-                call.cancel()
-                await _until(lambda: recorder.of("close"))
-        finally:
-            await server.stop(None)
+        async with _ads_stream(servicer) as call:
+            await call.write(DiscoveryRequest(node={"id": "n-1"}, type_url=T.CLUSTER))
+            first = await asyncio.wait_for(call.read(), 5)
+            await call.write(DiscoveryRequest(type_url=T.CLUSTER, response_nonce=first.nonce,
+                                              version_info=first.version_info))
+            cache.set_snapshot(snapshot({**BASE, "c": {"10.0.2.1:80": 5}}))
+            second = await asyncio.wait_for(call.read(), 5)
+            await call.write(DiscoveryRequest(
+                type_url=T.CLUSTER, response_nonce=second.nonce,
+                version_info=first.version_info, error_detail={"message": "bad cluster"}))
+            await _until(lambda: len(recorder.of("event")) >= 3)
+            [info] = servicer.streams
+            assert info.machine.types[T.CLUSTER].acked_version == first.version_info
+            call.cancel()
+            await _until(lambda: recorder.of("close"))
         sent = recorder.of("sent")
         assert [(s.response.nonce, s.response.version) for s in sent] == [
             (first.nonce, first.version_info), (second.nonce, second.version_info)]
@@ -361,22 +374,12 @@ def test_a_protocol_error_reaches_the_observers_before_the_stream_ends() -> None
     recorder = Recorder()
 
     async def body() -> None:
-        cache = SnapshotCache()
-        cache.set_snapshot(snapshot(BASE))
-        servicer = XdsServicer(cache, observers=[recorder])
-        server, port = await start_xds_server(servicer, "127.0.0.1:0")
-        try:
-            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-                call = channel.stream_stream(
-                    ADS, request_serializer=DiscoveryRequest.SerializeToString,
-                    response_deserializer=DiscoveryResponse.FromString)()
-                await call.write(DiscoveryRequest(resource_names=["a"]))  # no type_url on ADS
-                with pytest.raises(grpc.aio.AioRpcError) as raised:
-                    await asyncio.wait_for(call.read(), 5)
-                assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-                await _until(lambda: recorder.of("close"))
-        finally:
-            await server.stop(None)
+        async with _ads_stream(_servicer([recorder])) as call:
+            await call.write(DiscoveryRequest(resource_names=["a"]))  # no type_url on ADS
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await asyncio.wait_for(call.read(), 5)
+            assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            await _until(lambda: recorder.of("close"))
 
     asyncio.run(body())
     assert [call for call, _ in recorder.calls] == ["open", "error", "close"]
