@@ -45,8 +45,9 @@ from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import DeltaStream, SotwStream
-from xds_server.xds.server import StreamInfo, XdsServicer, start_xds_server
+from xds_server.xds.server import XdsServicer, start_xds_server
 from xds_server.xds.snapshot import Snapshot, build_snapshot, check_consistency
+from xds_server.xds.stream_info import StreamInfo
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "envoy-bootstrap-mtls.yaml"
