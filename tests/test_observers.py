@@ -142,6 +142,8 @@ def test_a_failing_observer_is_logged_and_counted_and_the_others_still_run(caplo
     observers = Observers([boom, after])
     stream = _stream(node="n-7")
     events = [Ack(T.CLUSTER, str(i), "v1") for i in range(4)]
+    metric = "trimtab_xds_observer_failures_total"
+    before = REGISTRY.get_sample_value(metric, {"observer": "Boom.on_event"}) or 0.0
     with caplog.at_level(logging.DEBUG, logger="trimtab.xds"):
         for event in events:
             observers.on_event(stream, event)
@@ -150,6 +152,7 @@ def test_a_failing_observer_is_logged_and_counted_and_the_others_still_run(caplo
     assert boom.of("event") == events
     assert observers.failures == {"Boom.on_event": 4, "Boom.on_close": 1}
     assert observers.failed == 5
+    assert REGISTRY.get_sample_value(metric, {"observer": "Boom.on_event"}) == before + 4
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     # the first failure of each hook with its traceback, then at 2 and 4 failures
     assert [r.exc_info is not None for r in errors] == [True, False, False, True]

@@ -107,7 +107,7 @@ class Trimtab:
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
             SnapshotViews())  # from the inputs each snapshot is published with
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
+        self.servicer = XdsServicer(self.cache, observers=[self.nacks], guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))
         self._grpc: grpc.aio.Server | None = None

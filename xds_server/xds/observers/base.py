@@ -13,6 +13,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
+from xds_server.admin import metrics
 from xds_server.xds.protocol import Event, ProtocolError, Response, Withheld
 from xds_server.xds.stream_info import StreamInfo
 
@@ -116,6 +117,7 @@ class Observers(StreamObserver):
 
     def _failed(self, name: str, stream: StreamInfo) -> None:
         self.failures[name] += 1
+        metrics.OBSERVER_FAILURES.labels(observer=name).inc()
         count = self.failures[name]
         if count == 1:
             log.exception("stream observer %s failed (stream from %s, node %r); the stream "
