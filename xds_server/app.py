@@ -108,7 +108,7 @@ class Trimtab:
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
             SnapshotViews())  # from the inputs each snapshot is published with
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
+        self.servicer = XdsServicer(self.cache, observers=[self.nacks], guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))
         self._grpc: grpc.aio.Server | None = None
@@ -212,8 +212,7 @@ class Trimtab:
         return lambda: self.history.record(at, document)
 
     def _apply_discovered(self, config: Config) -> None:
-        self.controller.apply_config(config)
-        self.controller.publish()
+        self.controller.reconcile(config)
 
     async def close(self) -> None:
         if self.elector is not None:  # first: stop driving, hand the Lease to another replica

@@ -20,7 +20,8 @@ from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.protocol import SotwStream
-from xds_server.xds.server import StreamInfo, XdsServicer
+from xds_server.xds.server import XdsServicer
+from xds_server.xds.stream_info import StreamInfo
 
 
 def _setup():

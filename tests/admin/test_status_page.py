@@ -36,7 +36,8 @@ from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.protocol import Nack, SotwStream
-from xds_server.xds.server import StreamInfo, XdsServicer
+from xds_server.xds.server import XdsServicer
+from xds_server.xds.stream_info import StreamInfo
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from xds_server.config.load import ConfigError, load_config, parse_config
 from xds_server.telemetry.parsers import parse_page
-from xds_server.telemetry.scrape import MetricsFormatError
+from xds_server.telemetry.parsers.reader import MetricsFormatError
 
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "200"))
 FUZZ = settings(max_examples=EXAMPLES, deadline=None,

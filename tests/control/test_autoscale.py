@@ -21,7 +21,7 @@ from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.keda import ExternalScalerServicer, metric_name
 from xds_server.keda import externalscaler_pb2 as pb2
-from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult
+from xds_server.telemetry.scrape import Scraper, ScrapeResult
 from xds_server.xds.cache import SnapshotCache
 
 HOT, IDLE, DARK = "as-hot", "as-idle", "as-dark"  # unique pool names: the gauges are global
@@ -55,6 +55,7 @@ class FakeServers:
         self.servers = {address: Backend(vllm=VllmPage(kv_usage=0.0, ttft_s=FAST_TTFT_S))
                         for addresses in ADDRESSES.values() for address in addresses}
         self.unreachable = set(ADDRESSES[DARK])
+        self.parser = Scraper(timeout_seconds=1.0)  # only its page path: bounds, decode, parse
 
     async def scrape(self, targets, now, parse=None):
         out = {}
@@ -62,11 +63,8 @@ class FakeServers:
             if address in self.unreachable:
                 out[address] = ScrapeResult(None, "connect: refused", now())
                 continue
-            parsed = parse(self.servers[address].page_text())  # as the real Scraper does
-            if isinstance(parsed, ParsedPage):
-                out[address] = ScrapeResult(parsed.signals, None, now(), parsed.problems)
-            else:
-                out[address] = ScrapeResult(parsed, None, now())
+            body = self.servers[address].page_text().encode()
+            out[address] = self.parser.parse_body(body, parse, now())  # the real Scraper's path
         return out
 
     async def close(self) -> None:

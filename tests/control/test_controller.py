@@ -20,7 +20,8 @@ from tests.support.xds_fixtures import cluster
 from xds_server.config.load import parse_config
 from xds_server.control import controller as controller_module
 from xds_server.control.controller import Controller
-from xds_server.telemetry.scrape import ScrapeResult, too_many_series
+from xds_server.telemetry.bounds import too_many_series
+from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 
 from envoy.config.route.v3.route_pb2 import RouteConfiguration
 from prometheus_client import REGISTRY
@@ -20,6 +21,7 @@ from xds_server.control.rollouts.machine import (
     load_state,
 )
 from xds_server.control.rollouts.runner import Rollouts
+from xds_server.telemetry.reading import SloCounters
 from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
@@ -38,18 +40,18 @@ def config(state_file):
                                "gates": {"min_requests": 5}}}]})
 
 
-def page(requests: float, fast: float) -> dict[str, float]:
-    """SLO keys as parse_slo produces them: `fast` of `requests` had TTFT under 0.1 s."""
-    return {"gpu_mem_pct": 10.0, "slo:requests": requests, "slo:ttft:0.1": fast,
-            "slo:ttft:1.0": requests, "slo:ttft:+Inf": requests}
+def page(requests: float, fast: float) -> SloCounters:
+    """What the page parser reads for the gates: `fast` of `requests` had TTFT under 0.1 s."""
+    return SloCounters(ttft={0.1: fast, 1.0: requests, math.inf: requests}, requests=requests)
 
 
 class Feed:
     def __init__(self) -> None:
-        self.pages: dict[str, dict[str, float]] = {}
+        self.pages: dict[str, SloCounters] = {}
 
     async def scrape(self, targets, now, parse=None):
-        return {a: ScrapeResult(dict(self.pages[a]), None, now()) for a in targets}
+        return {a: ScrapeResult({"gpu_mem_pct": 10.0}, None, now(), slo=self.pages[a])
+                for a in targets}
 
     async def close(self) -> None:
         pass

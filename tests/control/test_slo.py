@@ -8,7 +8,9 @@ import pytest
 
 from xds_server.config.pools import GateConfig
 from xds_server.control.rollouts.machine import gate_breach
-from xds_server.control.slo import PREFIX, SloTracker, parse_slo, quantile, split_signals
+from xds_server.control.slo import SloTracker, quantile
+from xds_server.telemetry.parsers import parse_page
+from xds_server.telemetry.reading import SloCounters
 
 
 def vllm_page(ttft: dict[str, int], finished: int, errors: int = 0) -> str:
@@ -39,13 +41,39 @@ def test_quantile_interpolates_like_promql():
     assert quantile(0.99, {1.0: 10.0, math.inf: 20.0}) == 1.0  # beyond the last finite bound
 
 
-def test_parse_vllm_page_into_slo_keys_and_split():
-    page = parse_slo(vllm_page({"0.1": 5, "0.5": 9, "+Inf": 10}, finished=10, errors=2))
-    assert page[f"{PREFIX}ttft:0.5"] == 9 and page[f"{PREFIX}ttft:+Inf"] == 10
-    assert page[f"{PREFIX}requests"] == 10 and page[f"{PREFIX}errors"] == 2
-    plain, slo = split_signals({**page, "queue": 3.0})
-    assert plain == {"queue": 3.0} and slo == page
-    assert parse_slo("garbage {{{") == {}
+def parse_slo(text: str) -> SloCounters | None:
+    return parse_page(text, with_slo=True).slo
+
+
+def test_one_parse_reads_the_weight_signals_and_the_slo_counters():
+    reading = parse_page(vllm_page({"0.1": 5, "0.5": 9, "+Inf": 10}, finished=10, errors=2),
+                         with_slo=True)
+    assert reading.queue == 3.0 and reading.slo is not None
+    assert reading.slo.ttft == {0.1: 5.0, 0.5: 9.0, math.inf: 10.0} and reading.slo.itl == {}
+    assert (reading.slo.requests, reading.slo.errors) == (10.0, 2.0)
+    assert "slo" not in "".join(reading.signals())  # never smuggled in among the signals
+
+
+def test_slo_counters_are_read_only_when_asked_and_only_where_present():
+    text = vllm_page({"0.1": 5, "+Inf": 10}, finished=10)
+    assert parse_page(text).slo is None
+    assert parse_slo('# TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting 1\n') is None
+
+
+def test_the_newer_itl_histogram_wins_over_the_deprecated_one():
+    old = "vllm:time_per_output_token_seconds_bucket"
+    new = "vllm:inter_token_latency_seconds_bucket"
+    text = (f'{old}{{le="0.1"}} 7\n{old}{{le="+Inf"}} 7\n{new}{{le="0.1"}} 2\n'
+            f'{new}{{le="+Inf"}} 3\nvllm:num_requests_waiting 0\n')
+    slo = parse_slo(text)
+    assert slo is not None and slo.itl == {0.1: 2.0, math.inf: 3.0}
+
+
+def test_bucket_sums_that_are_not_counts_are_left_out():
+    name = "vllm:time_to_first_token_seconds_bucket"
+    slo = parse_slo(f'{name}{{le="0.1"}} -1\n{name}{{le="+Inf"}} NaN\n{name}{{le="1"}} 4\n'
+                    'vllm:num_requests_waiting 0\n')
+    assert slo is not None and slo.ttft == {1.0: 4.0}
 
 
 def test_tracker_window_deltas_per_version_and_restart():

@@ -1,4 +1,4 @@
-"""`python -m trimtab_dev.demo`: the documented layout, port overrides, and a short real run."""
+"""`python -m trimtab_dev.demo.local`: the documented layout, port overrides, and a short real run."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import yaml
 
 from tests.support.paths import ROOT
-from trimtab_dev.demo import DEFAULT_CONFIG, build_parser, prepare_layout
+from trimtab_dev.demo.layout import prepare_layout
+from trimtab_dev.demo.local import DEFAULT_CONFIG, build_parser
 from trimtab_dev.envoy_process import free_port
 
 ROW = re.compile(r"^\s*\d+\.\ds((?: \|\s+\d+\.\d%\s+\d+\*?\s+\d+\s+\d+%){3})\s+\(\d+ req\)$")
@@ -25,7 +26,7 @@ def _args(*argv: str) -> argparse.Namespace:
 
 
 def _demo(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "trimtab_dev.demo", *argv], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "trimtab_dev.demo.local", *argv], capture_output=True,
                           text=True, timeout=timeout, cwd=ROOT, check=False)
 
 

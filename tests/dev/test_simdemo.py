@@ -1,4 +1,4 @@
-"""`python -m trimtab_dev.simdemo` (`make demo`): the matched-window arithmetic (fast) and a tiny
+"""`python -m trimtab_dev.demo.simulated` (`make demo`): the matched-window arithmetic (fast) and a tiny
 real run (slow: the simulated fleet, Envoy and trimtab) that must print the table and the
 summaries and leave no process behind."""
 
@@ -17,8 +17,9 @@ import yaml
 
 from tests.support.paths import ROOT
 from trimtab_dev.bench.runner import LoadPlan, LoadRun
+from trimtab_dev.demo.live import envoy_host_requests, status_banner
+from trimtab_dev.demo.simulated import window
 from trimtab_dev.loadgen.runner import RequestRecord
-from trimtab_dev.simdemo import envoy_host_requests, status_banner, window
 
 ENDPOINTS = ("h100-0", "h100-1", "a100-0", "a100-1", "l4-0", "l4-1")  # fleet-hetero.yaml
 ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\d+|-)\s+(\d+|-)\s+(\d+%|-)\s+(.+?)\s+(\S+%) \((\d+)\)$")
@@ -83,7 +84,7 @@ def _alive(pid: int) -> bool:
 
 
 def _run_demo(timeout: float, logs: Path) -> tuple[subprocess.CompletedProcess[str], float, int]:
-    cmd = [sys.executable, "-m", "trimtab_dev.simdemo", "--plain", "--duration", "8",
+    cmd = [sys.executable, "-m", "trimtab_dev.demo.simulated", "--plain", "--duration", "8",
            "--compare-duration", "5", "--rate", "2", "--warmup", "2", "--tail", "6",
            "--logs", str(logs)]
     started = time.monotonic()

@@ -2,8 +2,8 @@
 
 One *stack* per xDS flavour (``sotw``, ``delta``), shared by the tests of a module: five fake
 backends (pool ``alpha`` has three, pool ``beta`` two), ``trimtab serve`` as a subprocess
-(through ``tests.support.launcher``, with its hooks server) and a real Envoy that takes everything over ADS. The function-scoped
-``stack`` fixture puts the shared stack back into its baseline state before each test (trimtab
+(through ``tests.support.launcher``, with its hooks server) and a real Envoy that takes
+everything over ADS. The function-scoped ``stack`` fixture puts the shared stack back into its baseline state before each test (trimtab
 running, hooks off, every backend healthy at its baseline memory, Envoy showing those weights),
 so a test's outcome never depends on the tests that ran before it.
 """

@@ -52,14 +52,9 @@ from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bo
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import Response
-from xds_server.xds.server import (
-    StreamInfo,
-    XdsServicer,
-    encode_delta,
-    encode_sotw,
-    start_xds_server,
-)
+from xds_server.xds.server import XdsServicer, encode_delta, encode_sotw, start_xds_server
 from xds_server.xds.snapshot import Snapshot, build_snapshot
+from xds_server.xds.stream_info import StreamInfo
 
 pytestmark = pytest.mark.slow
 

@@ -30,6 +30,7 @@ from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, Discovery
 from tests.support.certs import CertFiles, TestCA
 from tests.support.hooks import HookedController
 from tests.support.paths import EXAMPLES
+from tests.support.pinned_rollouts import PinnedRollouts
 from tests.support.wait import wait_until_async
 from trimtab_dev.envoy_process import EnvoyProcess, free_port
 from xds_server.config.checks import node_pool_problems
@@ -47,8 +48,9 @@ from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import DeltaStream, SotwStream
-from xds_server.xds.server import StreamInfo, XdsServicer, start_xds_server
+from xds_server.xds.server import XdsServicer, start_xds_server
 from xds_server.xds.snapshot import Snapshot, build_snapshot, check_consistency
+from xds_server.xds.stream_info import StreamInfo
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources"
 EXAMPLE = EXAMPLES / "envoy-bootstrap-mtls.yaml"
@@ -421,10 +423,10 @@ class NoScraper:
 def published(config: Config = CONFIG, canary: dict[str, float] | None = None,
               controller_type: type[Controller] = Controller) -> tuple[Controller, SnapshotCache]:
     cache = SnapshotCache()
-    controller = controller_type(config, cache, scraper=NoScraper(), clock=lambda: 1000.0)  # type: ignore[arg-type]
-    controller.set_canary_percent(canary or {})
+    controller = controller_type(config, cache, scraper=NoScraper(), clock=lambda: 1000.0,  # type: ignore[arg-type]
+                                 rollouts=PinnedRollouts(config, canary))
     controller.ingest({})
-    assert controller.publish()
+    assert controller.reconcile()
     return controller, cache
 
 
@@ -545,8 +547,8 @@ def test_a_view_route_is_rebuilt_when_the_canary_percent_changes() -> None:
     llama = frozenset({"llama3-8b"})
     before = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
     assert before is not None and canary_splits(before) == set()
-    controller.set_canary_percent({"llama3-8b": 40.0})
-    assert controller.publish()
+    controller.rollouts.pinned = {"llama3-8b": 40.0}  # type: ignore[attr-defined]
+    assert controller.reconcile()
     after = views.get(cache.snapshot, llama)  # type: ignore[arg-type]
     assert after is not None and views.routes_built == 2
     assert canary_splits(after) == {("llama3-8b", 600), ("llama3-8b-canary", 400)}

@@ -11,13 +11,13 @@ from hypothesis import strategies as st
 from tests.support.paths import METRICS_FIXTURES
 from xds_server.telemetry.histories import HistogramHistory, windowed_mean
 from xds_server.telemetry.parsers import detect_server, page_signals, parse_page
+from xds_server.telemetry.parsers.reader import MetricsFormatError
 from xds_server.telemetry.reading import (
     HistogramState,
     PageReading,
     histogram_from_signals,
     screen_signals,
 )
-from xds_server.telemetry.scrape import MetricsFormatError, parse_dcgm_memory
 
 FIXTURES = METRICS_FIXTURES
 MODEL = 'model_name="meta-llama/Llama-3.1-8B-Instruct"'
@@ -149,11 +149,10 @@ def test_detect_server() -> None:
 # --- DCGM on the same page ------------------------------------------------------------------
 
 
-def test_vllm_page_with_dcgm_matches_parse_dcgm_memory() -> None:
-    text = page("vllm_with_dcgm.txt")
-    reading = parse_page(text)
+def test_vllm_page_with_dcgm_reads_the_busiest_gpu() -> None:
+    reading = parse_page(page("vllm_with_dcgm.txt"))
     assert reading.server == "vllm" and reading.has_dcgm
-    assert reading.gpu_mem_pct == pytest.approx(parse_dcgm_memory(text)["gpu_mem_pct"])
+    assert reading.gpu_mem_pct == pytest.approx(100.0 * 70000 / 81559)  # of the page's two GPUs
 
 
 @pytest.mark.parametrize(

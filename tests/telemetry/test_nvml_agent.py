@@ -31,7 +31,7 @@ from xds_server.telemetry.nvml_agent import (
     start_agent,
 )
 from xds_server.telemetry.parsers import parse_page
-from xds_server.telemetry.scrape import MetricsFormatError, parse_dcgm_memory
+from xds_server.telemetry.parsers.reader import MetricsFormatError
 
 H100 = GpuStat(0, "GPU-9c1e6a7d-0000", "NVIDIA H100 80GB HBM3", 20000.0, 61559.0, 35.0)
 L4 = GpuStat(1, "GPU-9c1e6a7d-0001", "NVIDIA L4", 18000.0, 4563.0, 97.0)
@@ -40,14 +40,16 @@ L4 = GpuStat(1, "GPU-9c1e6a7d-0001", "NVIDIA L4", 18000.0, 4563.0, 97.0)
 # --- render ---------------------------------------------------------------------------------
 
 
-def test_render_round_trips_through_parse_dcgm_memory() -> None:
-    signals = parse_dcgm_memory(render([H100, L4]).decode())
-    assert signals == {
-        "gpu_mem_pct": pytest.approx(100 * 18000 / 22563),
-        "fb_used_mib": 18000.0,
-        "fb_free_mib": 4563.0,
-        "gpus": 2.0,
-    }
+def _gpus(text: str) -> int:
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    return len(families["DCGM_FI_DEV_FB_USED"].samples)
+
+
+def test_render_round_trips_through_parse_page_busiest_gpu() -> None:
+    text = render([H100, L4]).decode()
+    reading = parse_page(text)
+    assert reading.gpu_mem_pct == pytest.approx(100 * 18000 / 22563)  # the L4 is the busiest
+    assert reading.gpu_util_pct == 97.0 and reading.problems == () and _gpus(text) == 2
 
 
 def test_render_round_trips_through_parse_page_per_gpu() -> None:
@@ -73,8 +75,8 @@ def test_render_labels_and_escaping() -> None:
 def test_render_without_gpus_is_a_valid_but_empty_page() -> None:
     text = render([]).decode()
     assert "# HELP DCGM_FI_DEV_FB_USED" in text
-    with pytest.raises(MetricsFormatError, match="missing from page"):
-        parse_dcgm_memory(text)
+    with pytest.raises(MetricsFormatError, match="no recognised model-server or DCGM metrics"):
+        parse_page(text)
 
 
 # --- PynvmlReader with a fake pynvml --------------------------------------------------------
@@ -190,8 +192,8 @@ def test_agent_reads_per_request_off_the_event_loop() -> None:
     (s1, ctype, body1), (s2, _, body2), (s3, _, body3) = asyncio.run(scenario())
     assert (s1, s2, s3) == (200, 200, 200)
     assert ctype.startswith("text/plain") and "version=0.0.4" in ctype
-    assert parse_dcgm_memory(body1)["gpus"] == 1.0
-    assert parse_dcgm_memory(body2)["gpus"] == 2.0  # a fresh read per request
+    assert _gpus(body1) == 1
+    assert _gpus(body2) == 2  # a fresh read per request
     assert body3 == "ok\n"
     assert reader.reads == 2
     assert all(t != loop_thread for t in reader.threads)

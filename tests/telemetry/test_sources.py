@@ -62,30 +62,52 @@ def test_dcgm_failure_is_reported_and_the_last_gpu_memory_held_for_stale_after()
 
 
 def test_model_and_dcgm_pages_are_scraped_concurrently() -> None:
-    async def scenario(fleet: BackendFleet) -> tuple[dict[str, ScrapeResult], float]:
-        page = vllm_text(VllmPage(kv_usage=0.5))
-        runner, port = await serve_pages({"/a": page, "/b": page}, delay_s=0.6 * TIMEOUT)
-        dcgm = f"http://{fleet.addresses[0]}/metrics"  # hangs: every DCGM scrape times out
-        endpoints = [EndpointConfig(address=f"10.0.0.{i}:80", gpu=str(i), dcgm_url=dcgm,
-                                    metrics_url=f"http://127.0.0.1:{port}/{name}")
+    """Every page of a tick is in flight at once: the model pages answer only after all
+    three requests (both model pages and the node's DCGM page, which never answers) have
+    arrived, so a scraper that fetched them one after another would see its first page
+    refused (503) and report it. Proved by arrival, not by elapsed time."""
+    timeout = 2.0
+    page = vllm_text(VllmPage(kv_usage=0.5))
+    expected = {"/a", "/b", "/dcgm"}
+
+    async def scenario() -> tuple[dict[str, ScrapeResult], set[str]]:
+        arrived: set[str] = set()
+        everyone = asyncio.Event()
+
+        async def handle(request: web.Request) -> web.Response:
+            arrived.add(request.path)
+            if arrived >= expected:
+                everyone.set()
+            if request.path == "/dcgm":
+                await asyncio.sleep(10 * timeout)  # hangs: the DCGM scrape times out
+            try:
+                await asyncio.wait_for(everyone.wait(), 0.75 * timeout)
+            except TimeoutError:
+                return web.Response(status=503, text=f"only {sorted(arrived)} arrived")
+            return web.Response(text=page)
+
+        app = web.Application()
+        for path in expected:
+            app.router.add_get(path, handle)
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        base = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        endpoints = [EndpointConfig(address=f"10.0.0.{i}:80", gpu=str(i), dcgm_url=f"{base}/dcgm",
+                                    metrics_url=f"{base}/{name}")
                      for i, name in ((0, "a"), (1, "b"))]
-        source = ScrapeSource(Scraper(TIMEOUT), with_slo=False, hold_seconds=6.0)
-        started = time.monotonic()
+        source = ScrapeSource(Scraper(timeout), with_slo=False, hold_seconds=6.0)
         try:
             results = await source.collect(endpoints, time.time)
         finally:
-            elapsed = time.monotonic() - started
             await source.close()
             await runner.cleanup()
-        return results, elapsed
+        return results, arrived
 
-    with BackendFleet(count=1) as fleet:
-        fleet.set_metrics_mode(0, "hang")
-        results, elapsed = asyncio.run(scenario(fleet))
-        fleet.set_metrics_mode(0, "ok")
-    # In sequence: 2 groups x (0.6 + 1) x TIMEOUT = 3.2 x TIMEOUT; concurrently about one.
-    assert TIMEOUT * 0.9 <= elapsed < TIMEOUT * 1.8
+    results, arrived = asyncio.run(scenario())
+    assert arrived == expected
     for result in results.values():
+        assert result.error is None, result.error
         assert result.signals is not None and result.signals["kv_usage"] == 0.5
         assert len(result.problems) == 1 and result.problems[0].startswith("dcgm: timeout: ")
 

@@ -1,4 +1,4 @@
-"""Tests for DCGM page parsing, the async scraper and the telemetry store."""
+"""Tests for DCGM pages, the page bounds, the async scraper and the telemetry store."""
 
 from __future__ import annotations
 
@@ -15,17 +15,12 @@ from aiohttp import web
 
 from tests.support.paths import METRICS_FIXTURES
 from weight_calculator.types import Observation, Sample
+from xds_server.telemetry import bounds
 from xds_server.telemetry import scrape as telemetry
-from xds_server.telemetry.scrape import (
-    MetricsFormatError,
-    Scraper,
-    ScrapeResult,
-    TelemetryStore,
-    parse_dcgm_memory,
-    refuse_unparsed,
-    series_over,
-    too_many_series,
-)
+from xds_server.telemetry.bounds import refuse_unparsed, series_over, too_many_series
+from xds_server.telemetry.parsers import page_signals, parse_page
+from xds_server.telemetry.parsers.reader import MetricsFormatError
+from xds_server.telemetry.scrape import Scraper, ScrapeResult, TelemetryStore
 
 FIXTURES = METRICS_FIXTURES
 TIMEOUT = 0.5
@@ -40,94 +35,82 @@ def dcgm_line(metric: str, gpu: str, value: str, uuid: str = "GPU-x") -> str:
     return f'{metric}{{gpu="{gpu}",UUID="{uuid}",device="nvidia{gpu}"}} {value}\n'
 
 
-# --- parse_dcgm_memory ---------------------------------------------------------------------
+# --- DCGM pages through the one page parser ------------------------------------------------
 
 
 def test_parse_single_gpu_page() -> None:
-    assert parse_dcgm_memory(page("dcgm_single_gpu.txt")) == {
-        "gpu_mem_pct": 25.0,
-        "fb_used_mib": 20000.0,
-        "fb_free_mib": 60000.0,
-        "gpus": 1.0,
-    }
+    reading = parse_page(page("dcgm_single_gpu.txt"))
+    assert (reading.server, reading.gpu_mem_pct, reading.problems) == ("dcgm", 25.0, ())
 
 
 def test_parse_multi_gpu_takes_busiest() -> None:
     # FB_USED series are listed in a different GPU order than FB_FREE on purpose.
-    assert parse_dcgm_memory(page("dcgm_multi_gpu.txt")) == {
-        "gpu_mem_pct": 75.0,
-        "fb_used_mib": 60000.0,
-        "fb_free_mib": 20000.0,
-        "gpus": 4.0,
-    }
+    assert parse_page(page("dcgm_multi_gpu.txt")).gpu_mem_pct == 75.0
 
 
-def test_parse_vllm_page_ignores_other_metrics() -> None:
-    signals = parse_dcgm_memory(page("vllm_with_dcgm.txt"))
-    assert signals["gpu_mem_pct"] == pytest.approx(100.0 * 70000 / 81559)
-    assert (signals["fb_used_mib"], signals["fb_free_mib"], signals["gpus"]) == (
-        70000.0,
-        11559.0,
-        2.0,
-    )
+def test_parse_vllm_page_reads_its_dcgm_series_too() -> None:
+    reading = parse_page(page("vllm_with_dcgm.txt"))
+    assert reading.server == "vllm" and reading.has_dcgm
+    assert reading.gpu_mem_pct == pytest.approx(100.0 * 70000 / 81559)
 
 
-@pytest.mark.parametrize(
-    ("fixture", "message"),
-    [
-        ("garbage.txt", "not a Prometheus text page"),
-        ("dcgm_missing_fb_free.txt", "missing from page: DCGM_FI_DEV_FB_FREE"),
-        ("dcgm_nan.txt", "DCGM_FI_DEV_FB_USED for gpu='0'"),
-    ],
-)
-def test_parse_bad_fixture_pages(fixture: str, message: str) -> None:
-    with pytest.raises(MetricsFormatError, match=message):
-        parse_dcgm_memory(page(fixture))
-
-
-def test_vllm_only_page_is_missing_both_metrics() -> None:
+def test_a_page_without_dcgm_series_has_no_gpu_memory_and_no_problem() -> None:
     vllm_only = "\n".join(
         line for line in page("vllm_with_dcgm.txt").splitlines() if "DCGM" not in line
     )
-    with pytest.raises(MetricsFormatError, match="FB_USED, DCGM_FI_DEV_FB_FREE"):
-        parse_dcgm_memory(vllm_only + "\n")
+    reading = parse_page(vllm_only + "\n")
+    assert reading.gpu_mem_pct is None and not reading.has_dcgm and reading.problems == ()
+
+
+@pytest.mark.parametrize(
+    ("fixture", "problem"),
+    [
+        ("dcgm_missing_fb_free.txt", "gpu_mem_pct: DCGM_FI_DEV_FB_USED/DCGM_FI_DEV_FB_FREE not paired"),
+        ("dcgm_nan.txt", "gpu_mem_pct: DCGM_FI_DEV_FB_USED/DCGM_FI_DEV_FB_FREE are nan/60000.0"),
+    ],
+)
+def test_a_garbled_memory_series_is_a_problem_not_a_value(fixture: str, problem: str) -> None:
+    reading = parse_page(page(fixture))
+    assert reading.gpu_mem_pct is None
+    assert len(reading.problems) == 1 and reading.problems[0].startswith(problem)
 
 
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("", "missing from page"),
+        (page("garbage.txt"), "not a Prometheus text page"),
+        ("", "no recognised model-server or DCGM metrics"),
         (
             dcgm_line("DCGM_FI_DEV_FB_USED", "0", "-1")
             + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "5"),
-            "-1",
+            "are -1.0/5.0",
         ),
         (
             dcgm_line("DCGM_FI_DEV_FB_USED", "0", "+Inf")
             + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "5"),
-            "inf",
+            "are inf/5.0",
         ),
         (
             dcgm_line("DCGM_FI_DEV_FB_USED", "0", "0") + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "0"),
-            "is 0",
+            "are 0.0/0.0",
         ),
         (
             dcgm_line("DCGM_FI_DEV_FB_USED", "0", "1")
             + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "1")
             + dcgm_line("DCGM_FI_DEV_FB_USED", "1", "1", uuid="GPU-y"),
-            "not paired",
-        ),
-        (
-            dcgm_line("DCGM_FI_DEV_FB_USED", "0", "1")
-            + dcgm_line("DCGM_FI_DEV_FB_USED", "0", "2")
-            + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "1"),
-            "duplicate",
+            r"not paired for \[\('1', 'GPU-y'\)\]",
         ),
     ],
 )
-def test_parse_rejects_bad_values(text: str, message: str) -> None:
+def test_a_page_with_no_usable_signal_is_refused(text: str, message: str) -> None:
     with pytest.raises(MetricsFormatError, match=message):
-        parse_dcgm_memory(text)
+        parse_page(text)
+
+
+def test_duplicate_memory_series_count_as_their_maximum() -> None:
+    text = (dcgm_line("DCGM_FI_DEV_FB_USED", "0", "1") + dcgm_line("DCGM_FI_DEV_FB_USED", "0", "2")
+            + dcgm_line("DCGM_FI_DEV_FB_FREE", "0", "1"))
+    assert parse_page(text).gpu_mem_pct == pytest.approx(100 * 2 / 3)
 
 
 def test_format_error_is_a_value_error() -> None:
@@ -213,7 +196,7 @@ def test_scrape_isolates_failures_and_is_bounded_by_timeout() -> None:
 
     results, elapsed = asyncio.run(scenario())
     errors = {a: r.error for a, r in results.items()}
-    assert results["10.0.0.1:good"].signals == parse_dcgm_memory(page("dcgm_single_gpu.txt"))
+    assert results["10.0.0.1:good"].signals == page_signals(page("dcgm_single_gpu.txt"))
     assert results["10.0.0.1:vllm"].signals is not None
     assert errors["10.0.0.1:good"] is None and errors["10.0.0.1:vllm"] is None
     assert str(errors["10.0.0.1:garbage"]).startswith("parse: MetricsFormatError")
@@ -294,7 +277,7 @@ def test_series_over_stops_reading_at_the_first_series_past_the_limit(monkeypatc
             read.append(line)
             return line
 
-    monkeypatch.setattr(telemetry, "io", type("io", (), {"StringIO": CountingStringIO}))
+    monkeypatch.setattr(bounds, "io", type("io", (), {"StringIO": CountingStringIO}))
     assert series_over(_gauge_page(100_000), 10)
     assert len(read) == 12  # the TYPE line and 11 samples, of 100,001 lines
 

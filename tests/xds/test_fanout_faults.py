@@ -52,14 +52,9 @@ from tests.support.xds_fixtures import snapshot
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import Response, StreamLimits
-from xds_server.xds.server import (
-    StreamInfo,
-    XdsServicer,
-    encode_delta,
-    encode_sotw,
-    start_xds_server,
-)
+from xds_server.xds.server import XdsServicer, encode_delta, encode_sotw, start_xds_server
 from xds_server.xds.snapshot import Snapshot, build_snapshot
+from xds_server.xds.stream_info import StreamInfo
 
 ADS = "/envoy.service.discovery.v3.AggregatedDiscoveryService/"
 WAIT_S = 5.0  # generous: every bound here is "promptly", not a performance figure

@@ -29,16 +29,12 @@ from xds_server.config.load import ConfigError, parse_config
 from xds_server.xds import server as transport
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.heap import HeapTrimmer, held_names
+from xds_server.xds.observers import push_log
 from xds_server.xds.protocol import RESPONSE_HEADROOM, StreamLimits
-from xds_server.xds.server import (
-    INBOX_LIMIT,
-    HeapTrimmer,
-    Inbox,
-    XdsServicer,
-    held_names,
-    start_xds_server,
-)
+from xds_server.xds.server import XdsServicer, start_xds_server
 from xds_server.xds.snapshot import build_snapshot
+from xds_server.xds.stream_info import INBOX_LIMIT, Inbox
 
 
 async def _with_server(body, channel_options: list[tuple[str, int]] | None = None,
@@ -160,7 +156,7 @@ def test_with_few_streams_every_push_gets_one_info_line(caplog):
 
 
 def test_with_many_streams_pushes_are_summarised_at_info(caplog, monkeypatch):
-    monkeypatch.setattr(transport, "PER_PUSH_LOG_STREAMS", 0)
+    monkeypatch.setattr(push_log, "PER_PUSH_LOG_STREAMS", 0)
     with caplog.at_level(logging.DEBUG, logger="trimtab.xds"):
         asyncio.run(_with_server(_two_eds_pushes))
     assert len(_messages(caplog, logging.DEBUG, "push eds")) == 2

@@ -188,8 +188,7 @@ class AdminApi:
         except StateStoreError as exc:  # the API server's or the disk's: nothing changed
             log.error("rollout command %s %s not applied: %s", action, pool, exc)
             return json_error(503, f"{exc}; the command was not applied")
-        self.controller.set_canary_percent(self.controller.rollouts.percents())
-        self.controller.publish()
+        self.controller.reconcile()
         return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
                       "phase": state.phase, "percent": state.percent})
 

@@ -25,6 +25,9 @@ STALE_NONCES = Counter("trimtab_xds_stale_nonces_total",
                        "Requests ignored because their nonce was stale", ["type"])
 PROTOCOL_ERRORS = Counter("trimtab_xds_protocol_errors_total",
                           "Streams closed for breaking the xDS protocol", ["api"])
+OBSERVER_FAILURES = Counter("trimtab_xds_observer_failures_total",
+                            "Stream observer calls that raised (ours: logged, the stream goes on)",
+                            ["observer"])
 SNAPSHOTS = Counter("trimtab_snapshots_published_total", "Snapshots published (content changed)")
 SNAPSHOT_REJECTED = Counter("trimtab_snapshots_rejected_total",
                             "Snapshots refused as inconsistent (the last good one stays)")

@@ -25,7 +25,7 @@ from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.autoscale import Autoscaler
 from xds_server.control.rollouts.runner import Rollouts
-from xds_server.control.slo import SloTracker, split_signals
+from xds_server.control.slo import SloTracker
 from xds_server.control.weights import LatencyWindow, cluster_weights
 from xds_server.envoy.clusters import (
     DEGRADED,
@@ -87,7 +87,8 @@ class Controller:
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
         self.stats = TickStats()
-        self.canary_percent: dict[str, float] = {}
+        self.canary_percent: dict[str, float] = {}  # what the routes were built with
+        self._routes_key: tuple[object, ...] | None = None
         self.on_tick: list[Callable[[], None]] = []
         # After each tick, on the telemetry worker: read-only work (e.g. a document of the
         # weights) that returns what to apply on the loop.
@@ -126,7 +127,6 @@ class Controller:
         self.auto = {name: c for name, c in self.auto.items()
                      if any(p.name == name and p.auto_classes for p in config.pools)}
         self._auto_clusters = self._build_auto_clusters()
-        self._routes = build_route_config(config, self.canary_percent, self.auto)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
@@ -134,6 +134,7 @@ class Controller:
         self.latency.history.window_s = config.telemetry.latency_window_seconds
         self.service.forget(addresses)
         self.rollouts.apply_config(config)
+        self._sync_routes()
         self.autoscaler.apply_config(config)
         members = self._members()
         self.weights = {k: v for k, v in self.weights.items() if k in members}
@@ -213,11 +214,26 @@ class Controller:
         for signal in signals:
             metrics.ENDPOINT_SIGNAL.remove(cluster, address, signal)
 
-    def set_canary_percent(self, percent: Mapping[str, float]) -> None:
-        """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
-        if dict(percent) != self.canary_percent:
-            self.canary_percent = dict(percent)
-            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+    def _sync_routes(self) -> None:
+        """Build the RDS routes from what they depend on: the config, the canary shares the
+        rollouts hold (their one home) and the automatic classes; only when one changed."""
+        percent = self.rollouts.percents()
+        key = (percent, self.auto)
+        if self._routes_key is None or self._routes_key[0] is not self.config \
+                or self._routes_key[1:] != key:
+            self._routes_key = (self.config, *key)
+            self.canary_percent = percent
+            self._routes = build_route_config(self.config, percent, self.auto)
+
+    def reconcile(self, config: Config | None = None) -> bool:
+        """The one way other parts change what is served: a new config (discovery) is applied
+        first, then routes follow the current rollouts and auto classes, and a snapshot of
+        it all is built, checked and published. Admin commands, discovery and reload call
+        this; nothing else sets the controller's state."""
+        if config is not None:
+            self.apply_config(config)
+        self._sync_routes()
+        return self.publish()
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included;
@@ -233,7 +249,7 @@ class Controller:
         if config.telemetry.interval_seconds != old.interval_seconds:
             self._replan.set()
         self.ingest({})
-        self.publish()
+        self.reconcile()
 
     async def collect(self) -> dict[str, ScrapeResult]:
         """Read every endpoint through its pool's source, the sources concurrently."""
@@ -253,7 +269,7 @@ class Controller:
         await self.ingest_off_loop(await self.collect())
         if self.rollouts.pools:
             await self.rollouts.atick(self.slo, self.clock())
-            self.set_canary_percent(self.rollouts.percents())
+            self._sync_routes()
         self.autoscaler.tick(self.weights, self.slo, self.clock())
         if self.stats.ticks == 0:
             freeze_startup_heap()
@@ -349,7 +365,7 @@ class Controller:
                     for c in cs] for p, cs in auto.items()} or "none")
             self.auto = auto
             self._auto_clusters = self._build_auto_clusters()
-            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+            self._sync_routes()
 
     def _build_auto_clusters(self) -> list[Message]:
         return [build_cluster(self.config.pool(name), c.cluster)
@@ -370,9 +386,8 @@ class Controller:
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
         if result.signals is not None:
-            plain, slo = split_signals(result.signals)
-            self.slo.record(address, result.collected_at, slo)
-            clean, rejected = screen_signals(plain)
+            self.slo.record(address, result.collected_at, result.slo)
+            clean, rejected = screen_signals(result.signals)
             self.latency.record(address, result.collected_at, clean)
             self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)

@@ -1,11 +1,10 @@
-"""GPU telemetry: parse DCGM exporter pages, scrape endpoints, keep the latest observations."""
+"""Scrape metrics pages (bounded by :mod:`.bounds`, parsed off the loop by :mod:`.parsers`)
+and keep the latest observation per endpoint (:class:`TelemetryStore`)."""
 
 from __future__ import annotations
 
 import asyncio
 import gc
-import io
-import math
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -14,19 +13,17 @@ from dataclasses import dataclass
 from typing import ParamSpec, TypeVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
 from weight_calculator.types import Observation, Sample
-
-FB_USED = "DCGM_FI_DEV_FB_USED"
-FB_FREE = "DCGM_FI_DEV_FB_FREE"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_MAX_SERIES_PER_PAGE = 20_000
-LINES_PER_SERIES = 4  # lines of any kind a page may have per allowed series
-_READ_CHUNK = 64 * 1024
-
-GpuKey = tuple[str, str]  # (gpu index label, UUID label)
-
+from xds_server.telemetry.bounds import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_SERIES_PER_PAGE,
+    BodyTooLargeError,
+    read_limited,
+    refuse_unparsed,
+)
+from xds_server.telemetry.parsers.page import page_signals
+from xds_server.telemetry.reading import SloCounters
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -71,124 +68,6 @@ def _without_gc(fn: Callable[..., T], args: tuple[object, ...], kwargs: dict[str
             gc.enable()
 
 
-def refuse_unparsed(text: str, max_series: int) -> str | None:
-    """Why a page is too costly to parse, or ``None``. Parse time follows the number of lines,
-    so both are bounded: samples (series) to ``max_series``, and every line, comments and
-    blank ones included, to :data:`LINES_PER_SERIES` times that (a page of HELP/TYPE pairs
-    and samples has at most three lines per series)."""
-    max_lines = LINES_PER_SERIES * max_series
-    if text.count("\n") > max_lines:
-        return (f"series: the endpoint's page has more than {max_lines} lines "
-                f"({LINES_PER_SERIES} × telemetry.max_series_per_page); refused without parsing it")
-    if series_over(text, max_series):
-        return too_many_series(max_series)
-    return None
-
-
-def series_over(text: str, limit: int) -> bool:
-    """Whether ``text`` holds more than ``limit`` samples (series), without parsing it.
-
-    Counts lines the way the Prometheus text parser reads them (split on newlines,
-    stripped; blank and ``#`` lines are not samples) and stops at the ``limit + 1``-th, so a
-    huge page costs at most ``limit`` short line checks. A page with no more lines than
-    ``limit`` is decided by one C-speed newline count."""
-    if text.count("\n") < limit:
-        return False
-    count = 0
-    for line in io.StringIO(text):
-        line = line.strip()
-        if line and line[0] != "#":
-            count += 1
-            if count > limit:
-                return True
-    return False
-
-
-class BodyTooLargeError(Exception):
-    """A response body (after decompression) grew past its byte limit; reading stopped."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"body larger than {limit} bytes")
-        self.limit = limit
-
-
-async def read_limited(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    """The response body, read in 64 KiB pieces of *decompressed* bytes; raises
-    :class:`BodyTooLargeError` as soon as it exceeds ``max_bytes`` (a gzip bomb or an endless
-    body stops there). The session's total timeout bounds the time."""
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(_READ_CHUNK):
-        body.extend(chunk)
-        if len(body) > max_bytes:
-            raise BodyTooLargeError(max_bytes)
-    return bytes(body)
-
-
-class MetricsFormatError(ValueError):
-    """A metrics page could not be turned into GPU memory signals."""
-
-
-def _read_series(text: str) -> tuple[dict[GpuKey, float], dict[GpuKey, float]]:
-    """Collect FB_USED / FB_FREE values per (gpu, UUID); ignore every other metric."""
-    series: dict[str, dict[GpuKey, float]] = {FB_USED: {}, FB_FREE: {}}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                per_gpu = series.get(sample.name)
-                if per_gpu is None:
-                    continue
-                key = (sample.labels.get("gpu", ""), sample.labels.get("UUID", ""))
-                if key in per_gpu:
-                    raise MetricsFormatError(
-                        f"duplicate {sample.name} series for gpu={key[0]!r} UUID={key[1]!r}"
-                    )
-                per_gpu[key] = float(sample.value)
-    except MetricsFormatError:
-        raise
-    except Exception as exc:  # the parser raises bare ValueError/TypeError/IndexError
-        raise MetricsFormatError(f"not a Prometheus text page: {exc}") from exc
-    return series[FB_USED], series[FB_FREE]
-
-
-def _gpu_pct(key: GpuKey, used: float, free: float) -> float:
-    label = f"gpu={key[0]!r} UUID={key[1]!r}"
-    for name, value in ((FB_USED, used), (FB_FREE, free)):
-        if not math.isfinite(value) or value < 0:
-            raise MetricsFormatError(f"{name} for {label} is {value!r}")
-    if used + free == 0:
-        raise MetricsFormatError(f"{FB_USED} + {FB_FREE} is 0 for {label}")
-    return 100.0 * used / (used + free)
-
-
-def parse_dcgm_memory(text: str) -> dict[str, float]:
-    """Parse a DCGM exporter page into the busiest GPU's framebuffer use.
-
-    Returns ``{"gpu_mem_pct", "fb_used_mib", "fb_free_mib", "gpus"}`` where the first three
-    describe the GPU with the highest ``100*used/(used+free)``. Raises
-    :class:`MetricsFormatError` on unparsable pages, missing or unpaired series, and
-    NaN/infinite/negative/all-zero values.
-    """
-    used, free = _read_series(text)
-    if not used or not free:
-        missing = [name for name, s in ((FB_USED, used), (FB_FREE, free)) if not s]
-        raise MetricsFormatError(f"metrics missing from page: {', '.join(missing)}")
-    if used.keys() != free.keys():
-        unpaired = sorted(used.keys() ^ free.keys())
-        raise MetricsFormatError(f"{FB_USED}/{FB_FREE} not paired for (gpu, UUID) {unpaired}")
-    best_key, best_pct = None, -1.0
-    for key in sorted(used):
-        pct = _gpu_pct(key, used[key], free[key])
-        if pct > best_pct:
-            best_key, best_pct = key, pct
-    assert best_key is not None
-    return {
-        "gpu_mem_pct": best_pct,
-        "fb_used_mib": used[best_key],
-        "fb_free_mib": free[best_key],
-        "gpus": float(len(used)),
-    }
-
-
 @dataclass(frozen=True)
 class ScrapeResult:
     """Outcome of scraping one endpoint: signals on success, ``"<kind>: <detail>"`` on error.
@@ -202,6 +81,7 @@ class ScrapeResult:
     error: str | None
     collected_at: float
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None  # the canary gates' counters, when a rollout reads them
 
 
 @dataclass(frozen=True)
@@ -210,6 +90,7 @@ class ParsedPage:
 
     signals: dict[str, float]
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None
 
 
 PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
@@ -229,7 +110,7 @@ class Scraper:
         self,
         timeout_seconds: float,
         max_concurrency: int = 64,
-        parse: PageParser = parse_dcgm_memory,
+        parse: PageParser = page_signals,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_series_per_page: int = DEFAULT_MAX_SERIES_PER_PAGE,
     ) -> None:
@@ -312,7 +193,7 @@ class Scraper:
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
-            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems)
+            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo)
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
@@ -323,12 +204,6 @@ class Scraper:
                 return await read_limited(resp, self._max_body_bytes)
             except BodyTooLargeError as exc:
                 raise _FetchError("size", str(exc)) from None
-
-
-def too_many_series(limit: int) -> str:
-    """The error of an endpoint whose page is over ``telemetry.max_series_per_page``."""
-    return (f"series: the endpoint's page has more than {limit} series "
-            f"(telemetry.max_series_per_page); refused without parsing it")
 
 
 class _FetchError(Exception):

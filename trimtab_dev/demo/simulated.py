@@ -1,4 +1,4 @@
-"""`python -m trimtab_dev.simdemo` (`make demo`): trimtab on the simulated heterogeneous fleet.
+"""`python -m trimtab_dev.demo.simulated` (`make demo`): trimtab on the simulated heterogeneous fleet.
 
 Starts the simulated fleet (``trimtab sim --fleet examples/fleet-hetero.yaml``: 2 x H100,
 2 x A100, 2 x L4, vLLM + DCGM metrics), ``trimtab serve`` and a real Envoy that takes its
@@ -33,9 +33,8 @@ import asyncio
 import sys
 import tempfile
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,34 +42,33 @@ from trimtab_dev.bench import envoy_configs, report
 from trimtab_dev.bench.cli import interrupts_as_keyboard, long_context_for
 from trimtab_dev.bench.runner import (
     BenchError,
-    Counters,
-    Fleet,
     LoadPlan,
     LoadRun,
     PolicyStack,
-    Sampler,
     SimFleetProcess,
     measure,
-    sim_stats,
-    trimtab_weights,
+)
+from trimtab_dev.demo.live import (
+    LIVE_EVERY_S,
+    Display,
+    LiveDisplay,
+    PlainDisplay,
+    RunView,
+    samplers,
+    status_banner,
 )
 from trimtab_dev.envoy_process import EnvoyError
-from trimtab_dev.loadgen.runner import RequestRecord
 from trimtab_dev.loadgen.workload import Workload, WorkloadError, load_workload
 from trimtab_dev.sim.fleet import FleetError, load_fleet
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_FLEET = ROOT / "examples" / "fleet-hetero.yaml"
 DEFAULT_WORKLOAD = ROOT / "examples" / "workload-mixed.yaml"
 # workload-mixed's 17 req/s is 65% of fleet-hetero's capacity (26.2 req/s). On 2 shared cores
 # 8 req/s (~30%) kept the simulator's loop lag p99 at 4-9 ms next to Envoy, trimtab and the
 # client; 12 req/s already pushed it to ~50 ms (max 170 ms).
 DEFAULT_RATE = 8.0
-LIVE_EVERY_S = 1.0
-PLAIN_EVERY_S = 10.0
-ITL_WINDOW_S = 15.0
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 1, 2, 130
-COLUMNS = ("endpoint", "GPU", "weight", "queue", "KV use", "ITL", "share")
 
 
 @dataclass(frozen=True)
@@ -90,180 +88,6 @@ class DemoSettings:
 
     def plan(self, duration: float) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, duration, self.seed, self.tail)
-
-
-# ---- what the live table shows --------------------------------------------------------------
-@dataclass(frozen=True)
-class EndpointRow:
-    name: str
-    gpu: str
-    weight: int | None
-    waiting: int | None
-    kv_usage: float | None
-    itl_ms: float | None
-    requests: int
-    share: float | None
-
-    def cells(self) -> list[str]:
-        return [self.name, self.gpu, _opt(self.weight), _opt(self.waiting),
-                "-" if self.kv_usage is None else f"{100 * self.kv_usage:.0f}%",
-                "-" if self.itl_ms is None else f"{self.itl_ms:.1f} ms",
-                "-" if self.share is None else f"{100 * self.share:.1f}% ({self.requests})"]
-
-
-def _opt(value: int | None) -> str:
-    return "-" if value is None else str(value)
-
-
-def envoy_host_requests(document: dict[str, Any]) -> dict[str, int]:
-    """``/clusters?format=json`` -> ``{address: rq_total}`` of the bench cluster."""
-    for status in document.get("cluster_statuses", []):
-        if status.get("name") != envoy_configs.CLUSTER:
-            continue
-        out = {}
-        for host in status.get("host_statuses", []):
-            sock = host.get("address", {}).get("socket_address", {})
-            stats = {s.get("name"): int(s.get("value", 0)) for s in host.get("stats", [])}
-            out[f"{sock.get('address')}:{sock.get('port_value')}"] = stats.get("rq_total", 0)
-        return out
-    return {}
-
-
-@dataclass
-class RunView:
-    """The live state of one run: its samplers' latest samples, counters and recent ITLs."""
-
-    policy: str
-    fleet: Fleet
-    plan: LoadPlan
-    samplers: dict[str, Sampler]
-    counters: Counters = field(default_factory=Counters)
-    itl: dict[str, deque[tuple[float, float]]] = field(default_factory=dict)
-    started: float = field(default_factory=time.monotonic)
-    status_url: str | None = None
-
-    def on_record(self, rec: RequestRecord) -> None:
-        if rec.error is None and rec.tpot is not None and rec.server is not None:
-            self.itl.setdefault(rec.server, deque()).append((time.monotonic(), rec.tpot))
-
-    def latest(self, name: str) -> Any:
-        sampler = self.samplers.get(name)
-        return sampler.samples[-1][1] if sampler is not None and sampler.samples else None
-
-    def itl_ms(self, server: str) -> float | None:
-        recent = self.itl.get(server, deque())
-        while recent and recent[0][0] < time.monotonic() - ITL_WINDOW_S:
-            recent.popleft()
-        return 1e3 * sum(v for _, v in recent) / len(recent) if recent else None
-
-    def rows(self) -> list[EndpointRow]:
-        weights = self.latest("trimtab_weights") or {}
-        servers = (self.latest("sim") or {}).get("servers", {})
-        routed = self.latest("envoy_requests") or {}
-        total = sum(routed.values())
-        rows = []
-        for s in self.fleet.servers:
-            state, count = servers.get(s.name, {}), routed.get(s.address, 0)
-            weight = weights.get(s.address, {}).get("weight")
-            rows.append(EndpointRow(s.name, s.gpu, weight, state.get("waiting"),
-                                    state.get("kv_usage"), self.itl_ms(s.name), count,
-                                    count / total if total else None))
-        return rows
-
-    def headline(self) -> str:
-        c, sim = self.counters, self.latest("sim") or {}
-        lag = sim.get("loop_lag_p99_ms")
-        elapsed, total = time.monotonic() - self.started, self.plan.total
-        clock = (f"{elapsed:.0f}/{total:.0f} s" if elapsed <= total else
-                 f"{total:.0f} s sent, tail {elapsed - total:.0f}/{self.plan.tail_s:.0f} s")
-        label = "trimtab weights" if self.policy == "trimtab" else f"{self.policy} (unweighted)"
-        return (f"{label}  {clock}  {self.plan.rate:g} req/s  sent {c.sent}  answered "
-                f"{c.done}  in flight "
-                f"{c.sent - c.done}  errors {c.errors}  sim loop lag p99 "
-                f"{'-' if lag is None else f'{lag:.1f} ms'}")
-
-
-def samplers(stack: PolicyStack, interval: float) -> dict[str, Sampler]:
-    """Sim stats and Envoy's per-host requests every second; trimtab's weights every tick."""
-    out = {"sim": Sampler("sim", stack.fleet.stats_url, LIVE_EVERY_S, sim_stats),
-           "envoy_requests": Sampler("envoy_requests",
-                                     f"{stack.envoy_admin_url}/clusters?format=json",
-                                     LIVE_EVERY_S, envoy_host_requests)}
-    if stack.trimtab_admin_url is not None:
-        out["trimtab_weights"] = Sampler("trimtab_weights",
-                                         f"{stack.trimtab_admin_url}/v1/weights", interval,
-                                         trimtab_weights)
-    return out
-
-
-def status_banner(url: str) -> str:
-    """The line that tells a newcomer where trimtab's live status page (admin ``/``) is."""
-    return (f"\n>>> trimtab's live status page: {url}  (open it in a browser while the demo "
-            f"runs: each endpoint's weight over time, signals, NACKs, rollouts)\n")
-
-
-# ---- displays ---------------------------------------------------------------------------------
-class PlainDisplay:
-    """A compact text table every :data:`PLAIN_EVERY_S` seconds, and one at the end."""
-
-    def __init__(self) -> None:
-        self.last = 0.0
-
-    def start(self) -> None:
-        self.last = time.monotonic()
-
-    def show(self, view: RunView, final: bool = False) -> None:
-        if not final and time.monotonic() - self.last < PLAIN_EVERY_S:
-            return
-        self.last = time.monotonic()
-        table = report.plain_table(COLUMNS, [r.cells() for r in view.rows()])
-        print(f"\n{'final: ' if final else ''}{view.headline()}\n{table}", flush=True)
-
-    def stop(self) -> None:
-        pass
-
-    def say(self, text: str) -> None:
-        print(text, flush=True)
-
-
-class LiveDisplay:
-    """A rich table refreshed in place every second; the last one stays on screen."""
-
-    def __init__(self) -> None:
-        from rich.console import Console
-
-        self.console = Console()
-        self.live: Any = None
-
-    def start(self) -> None:
-        from rich.live import Live
-
-        self.live = Live(console=self.console, auto_refresh=False, transient=False)
-        self.live.start()
-
-    def show(self, view: RunView, final: bool = False) -> None:
-        from rich.table import Table
-
-        caption = None if view.status_url is None else f"status page: {view.status_url}"
-        table = Table(title=view.headline(), title_justify="left", caption=caption,
-                      caption_justify="left")
-        for i, column in enumerate(COLUMNS):
-            table.add_column(column, justify="left" if i < 2 else "right")
-        for row in view.rows():
-            table.add_row(*row.cells())
-        if self.live is not None:
-            self.live.update(table, refresh=True)
-
-    def stop(self) -> None:
-        if self.live is not None:
-            self.live.stop()
-            self.live = None
-
-    def say(self, text: str) -> None:
-        self.console.print(text, highlight=False, markup=False)
-
-
-Display = PlainDisplay | LiveDisplay
 
 
 # ---- one run ---------------------------------------------------------------------------------
@@ -399,7 +223,7 @@ def _non_negative(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m trimtab_dev.simdemo", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m trimtab_dev.demo.simulated", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--fleet", type=Path, default=DEFAULT_FLEET, help="fleet YAML")
     p.add_argument("--workload", type=Path, default=DEFAULT_WORKLOAD, help="workload YAML")
@@ -456,17 +280,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         model = load_fleet(args.fleet).model
         s = settings_from(args, w)
     except (WorkloadError, FleetError, OSError, ValueError) as exc:
-        print(f"simdemo: invalid input: {exc}", file=sys.stderr)
+        print(f"demo: invalid input: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     started = time.monotonic()
     try:
         with interrupts_as_keyboard(), tempfile.TemporaryDirectory(prefix="trimtab-demo-") as tmp:
             lines = run_demo(s, w, model, args.logs or Path(tmp))
     except (BenchError, EnvoyError, OSError) as exc:
-        print(f"simdemo: {exc}", file=sys.stderr)
+        print(f"demo: {exc}", file=sys.stderr)
         return EXIT_FAILED
     except KeyboardInterrupt:
-        print("simdemo: interrupted; every process it started was stopped", file=sys.stderr)
+        print("demo: interrupted; every process it started was stopped", file=sys.stderr)
         return EXIT_INTERRUPTED
     print("\n".join([*lines, f"\ndemo finished in {time.monotonic() - started:.0f} s"]),
           flush=True)
