@@ -290,9 +290,9 @@ def guarded_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
     base = f"http://127.0.0.1:{admin}"
     try:
         deadline = time.monotonic() + 30
-        while _get_status(f"{base}/healthz") != 200:
+        while _get_status(f"{base}/readyz") != 200:  # ready: the first tick started the rollout
             assert proc.poll() is None, "trimtab serve exited"
-            assert time.monotonic() < deadline, "trimtab serve never answered /healthz"
+            assert time.monotonic() < deadline, "trimtab serve never became ready"
             time.sleep(0.05)
         yield path, base
     finally:
