@@ -289,11 +289,11 @@ def guarded_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
                              "serve", "--config", str(path)], cwd=ROOT)
     base = f"http://127.0.0.1:{admin}"
     try:
-        def healthz() -> int:
+        def readyz() -> int:  # ready: the first tick started the rollout
             assert proc.poll() is None, "trimtab serve exited"
-            return _get_status(f"{base}/healthz")
+            return _get_status(f"{base}/readyz")
 
-        wait_until(healthz, 30, "trimtab serve to answer /healthz", check=lambda s: s == 200,
+        wait_until(readyz, 30, "trimtab serve to become ready", check=lambda s: s == 200,
                    every=0.05)
         yield path, base
     finally:

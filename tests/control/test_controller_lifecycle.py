@@ -12,9 +12,10 @@ from pathlib import Path
 
 import yaml
 from aiohttp.test_utils import TestClient, TestServer
-from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.wait import wait_until_async
+from xds_server.admin import metrics
 from xds_server.admin.api import AdminApi
 from xds_server.app import Trimtab, restart_only_changes
 from xds_server.config.load import parse_config
@@ -50,8 +51,10 @@ def _found(first: int, count: int = 8) -> tuple[DiscoveredEndpoint, ...]:
                                     True, True, False) for i in range(first, first + count))
 
 
-def _series(pools: set[str]) -> int:
-    return sum(1 for family in REGISTRY.collect() for sample in family.samples
+def _series(pools: set[str], controller: Controller) -> int:
+    """The /metrics series labelled with these pools: the global registry's and the fleet's."""
+    text = metrics.exposition(metrics.FleetCollector(lambda: controller.weights)).decode()
+    return sum(1 for family in text_string_to_metric_families(text) for sample in family.samples
                if sample.labels.get("pool") in pools)
 
 
@@ -67,11 +70,7 @@ def test_a_thousand_discovery_changes_leave_no_series_sources_or_memory_behind()
     cache = SnapshotCache()
     controller = Controller(base, cache, scraper=AnyFleet(), clock=lambda: 1000.0)
 
-    def apply(config):  # what Trimtab wires discovery to
-        controller.apply_config(config)
-        controller.publish()
-
-    discovery = Discovery(apply)
+    discovery = Discovery(controller.reconcile)  # what Trimtab wires discovery to
     discovery.base = base
     sources = dict(controller.sources)
 
@@ -81,22 +80,23 @@ def test_a_thousand_discovery_changes_leave_no_series_sources_or_memory_behind()
             await controller.tick()
 
     asyncio.run(churn(20, 0))
-    baseline = _series({"churn", "fixed"})
+    baseline = _series({"churn", "fixed"}, controller)
     assert baseline >= 8 * 4  # weight, stale and two signals per endpoint, and pool gauges
     gc.collect()
     rss = _rss_bytes()
     asyncio.run(churn(1000, 20))
     gc.collect()
     grown = _rss_bytes() - rss
-    assert _series({"churn", "fixed"}) == baseline
+    assert _series({"churn", "fixed"}, controller) == baseline
     assert grown < 20 * 1024 * 1024, f"RSS grew {grown / 2**20:.1f} MiB"
     assert controller.sources == sources  # the same objects: sessions and held reads kept
     assert len(controller.weights["churn"].endpoints) == 8
     assert len(controller.stats.stale) == 9
     assert len(controller.store.observations(
         [a for a in controller.store._first_seen])) == 9  # noqa: SLF001
-    text = generate_latest().decode()
+    text = metrics.exposition(metrics.FleetCollector(lambda: controller.weights)).decode()
     assert '10.0.0.0:8000' not in text  # the first endpoints are long gone
+    assert 'trimtab_endpoint_weight{endpoint="' in text  # while the current ones are there
 
 
 PROMETHEUS = {
@@ -137,11 +137,11 @@ def test_gone_pools_leave_no_pool_or_rollout_series() -> None:
     controller = Controller(with_pool, SnapshotCache(), scraper=AnyFleet(), clock=lambda: 1000.0)
     asyncio.run(controller.tick())
     names = {"gone", "gone-stable", "gone-canary"}
-    assert _series(names) > 0
+    assert _series(names, controller) > 0
     controller.apply_config(parse_config({"pools": [
         {"name": "stays", "model": "s", "endpoints": [{"address": "10.7.1.1:80"}]}]}))
     asyncio.run(controller.tick())
-    assert _series(names) == 0
+    assert _series(names, controller) == 0
     assert all(not key.startswith("gone") for key in controller.stats.stale)
 
 

@@ -12,9 +12,10 @@ from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from weight_calculator.types import EndpointWeight
+from xds_server.admin import metrics
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes
 from xds_server.config.pools import EndpointConfig
@@ -113,6 +114,7 @@ class AdminApi:
                  history: WeightHistory | None = None, token: str | None = None,
                  protect_reads: bool = False) -> None:
         self.controller = controller
+        self._fleet = metrics.FleetCollector(lambda: self.controller.weights)
         self.token = token
         self.protect_reads = protect_reads
         self.is_ready = is_ready
@@ -146,7 +148,8 @@ class AdminApi:
                      200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=metrics.exposition(self._fleet),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def weights(self, request: web.Request) -> web.Response:
         return _json(weights_document(self.controller))

@@ -100,7 +100,7 @@ class Controller:
         self.sources: dict[str, TelemetrySource] = {}
         self._retired: list[TelemetrySource | Scraper] = []  # replaced, to be closed
         self._closing: set[asyncio.Task[None]] = set()
-        self._series: dict[str, dict[str, set[str]]] = {}  # cluster -> address -> signals
+        self._error_series: set[str] = set()  # clusters with a telemetry-errors series
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self._notes_lock = threading.Lock()  # one weighing's notes at a time (see ingest_off_loop)
         self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
@@ -191,28 +191,16 @@ class Controller:
             self._forget_series_locked(members)
 
     def _forget_series_locked(self, members: Mapping[str, set[str]]) -> None:
-        for cluster in [c for c in self._series if c not in members]:
-            for address in list(self._series[cluster]):
-                self._drop_endpoint(cluster, address)
-            del self._series[cluster]
-            for gauge in (metrics.STALE_ENDPOINTS, metrics.POOL_FAIL_STATIC,
-                          metrics.SCRAPE_ERRORS):
-                gauge.remove(cluster)
-        for cluster, emitted in self._series.items():
-            for address in [a for a in emitted if a not in members[cluster]]:
-                self._drop_endpoint(cluster, address)
+        """The per-endpoint series need no removal (admin.metrics.FleetCollector renders them
+        from the weights); the telemetry-errors counter of a cluster that is gone does."""
+        for cluster in [c for c in self._error_series if c not in members]:
+            metrics.SCRAPE_ERRORS.remove(cluster)
+            self._error_series.discard(cluster)
         keys = {f"{cluster}/{address}" for cluster, addresses in members.items()
                 for address in addresses}
         for table in (self.stats.stale, self.stats.problems):
             for key in [k for k in table if k not in keys]:
                 del table[key]
-
-    def _drop_endpoint(self, cluster: str, address: str) -> None:
-        signals = self._series[cluster].pop(address, set())
-        metrics.ENDPOINT_WEIGHT.remove(cluster, address)
-        metrics.ENDPOINT_STALE.remove(cluster, address)
-        for signal in signals:
-            metrics.ENDPOINT_SIGNAL.remove(cluster, address, signal)
 
     def _sync_routes(self) -> None:
         """Build the RDS routes from what they depend on: the config, the canary shares the
@@ -395,16 +383,8 @@ class Controller:
         return result
 
     def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
-        stale_count = 0
-        emitted = self._series.setdefault(pool, {})
-        for address in [a for a in emitted if a not in weights.endpoints]:
-            self._drop_endpoint(pool, address)
+        """Logs and stats of one cluster's weighing (its gauges are rendered at scrape time)."""
         for address, ew in weights.endpoints.items():
-            signals = emitted.setdefault(address, set())
-            for gone in [name for name in signals if name not in ew.signals]:
-                metrics.ENDPOINT_SIGNAL.remove(pool, address, gone)
-                signals.discard(gone)
-            signals.update(ew.signals)
             key = f"{pool}/{address}"
             if self.stats.stale.get(key, False) != ew.stale:
                 error = results[address].error if address in results else None
@@ -412,17 +392,11 @@ class Controller:
                         "endpoint %s telemetry %s%s", key, "stale" if ew.stale else "recovered",
                         f": {error}" if ew.stale and error else "")
             self.stats.stale[key] = ew.stale
-            stale_count += ew.stale
             self._note_problems(key, ew.problems)
-            metrics.ENDPOINT_WEIGHT.labels(pool=pool, endpoint=address).set(ew.weight)
-            metrics.ENDPOINT_STALE.labels(pool=pool, endpoint=address).set(int(ew.stale))
-            for signal, value in ew.signals.items():
-                metrics.ENDPOINT_SIGNAL.labels(pool=pool, endpoint=address, signal=signal).set(value)
             read = results.get(address)
             if read is not None and (read.error or read.problems):
                 metrics.SCRAPE_ERRORS.labels(pool=pool).inc()
-        metrics.STALE_ENDPOINTS.labels(pool=pool).set(stale_count)
-        metrics.POOL_FAIL_STATIC.labels(pool=pool).set(int(weights.fail_static))
+                self._error_series.add(pool)
 
     def _note_problems(self, key: str, problems: tuple[str, ...]) -> None:
         """Log an endpoint's rejected inputs once per change (and once when they clear)."""
