@@ -96,8 +96,8 @@ class Trimtab:
         coordinated = kubernetes_rollouts(config)  # None: embedded mode (the state file)
         self.elector: LeaseElector | None = coordinated[1] if coordinated else None
         self.controller = controller_type(config, self.cache,
-                                     state_file=state_file_path(config, config_path),
-                                     rollouts=coordinated[0] if coordinated else None)
+                                          state_file=state_file_path(config, config_path),
+                                          rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
         self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)
