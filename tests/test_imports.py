@@ -238,10 +238,9 @@ def package_graph(graph: Mapping[str, list[Edge]]) -> dict[str, list[Edge]]:
 #   admin.api imports control and xds (metrics as one collector would end it);
 # - xds.server imports security.guard, which imports envoy.views, which imports xds.snapshot
 #   and xds.type_urls (app handing the gRPC pump its guard would end it);
-# - admin.api imports test_hooks, which imports xds (it moves to tests/support/).
 # Remove a package here once it is out of every cycle; nothing may join.
 TANGLED = {"xds_server.admin", "xds_server.control", "xds_server.envoy", "xds_server.security",
-           "xds_server.test_hooks", "xds_server.xds"}
+           "xds_server.xds"}
 
 
 def test_package_cycles_do_not_grow() -> None:
@@ -255,6 +254,22 @@ def test_package_cycles_do_not_grow() -> None:
 
 def test_the_product_never_imports_the_dev_tools_or_the_tests() -> None:
     assert _offences(import_graph(), DEV) == []
+
+
+TEST_HOOK_MARKS = ("test_hooks", "TEST_HOOKS", "/v1/test", ".mutators", "test-only")
+
+
+def test_the_product_holds_no_test_hooks() -> None:
+    """Fault injection (the hooked controller, its hooks server) lives in tests/support/:
+    no test module, hook, switch or `/v1/test` route ships in the product."""
+    files = module_files()
+    assert "xds_server.control.controller" in files and "xds_server.admin.api" in files
+    assert [m for m in files if m.rpartition(".")[2].startswith("test")] == []
+    marked = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+              for path in files.values()
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if any(mark in line for mark in TEST_HOOK_MARKS)]
+    assert marked == []
 
 
 def test_weight_calculator_imports_nothing_of_xds_server() -> None:

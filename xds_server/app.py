@@ -87,16 +87,17 @@ def state_file_path(config: Config, config_path: str | Path | None) -> Path:
 class Trimtab:
     """One control plane. `start()`, then `run(stop)` until `stop` is set."""
 
-    def __init__(self, config: Config, config_path: str | Path | None = None) -> None:
+    def __init__(self, config: Config, config_path: str | Path | None = None,
+                 controller_type: type[Controller] = Controller) -> None:
         self.config = config
         self.config_path = config_path
         self.cache = SnapshotCache()
         warn_deprecated_drive(config)
         coordinated = kubernetes_rollouts(config)  # None: embedded mode (the state file)
         self.elector: LeaseElector | None = coordinated[1] if coordinated else None
-        self.controller = Controller(config, self.cache,
-                                     state_file=state_file_path(config, config_path),
-                                     rollouts=coordinated[0] if coordinated else None)
+        self.controller = controller_type(config, self.cache,
+                                          state_file=state_file_path(config, config_path),
+                                          rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
         self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -26,14 +25,12 @@ from xds_server.control.rollouts.machine import RolloutCommandError
 from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
 from xds_server.security.admin_auth import bearer_middleware
-from xds_server.test_hooks import invalid_weight_mutator
 from xds_server.xds import type_urls
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.server import XdsServicer
 
 log = logging.getLogger("trimtab.admin")
 
-TEST_HOOKS_ENV = "TRIMTAB_TEST_HOOKS"
 ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
 
 
@@ -124,7 +121,6 @@ class AdminApi:
         self.servicer = servicer
         self.nacks = nacks
         self.history = history if history is not None else WeightHistory()
-        self._injected: set[str] = set()  # test hooks: pools with an injected invalid CLA
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
@@ -138,9 +134,6 @@ class AdminApi:
         app.router.add_get("/v1/config", self.effective_config)
         app.router.add_get("/v1/rollouts", self.rollout_list)
         app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
-        if os.environ.get(TEST_HOOKS_ENV) == "1":
-            log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
-            app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
         add_status_routes(app, self.history)
         return app
 
@@ -201,19 +194,6 @@ class AdminApi:
         self.controller.reconcile()
         return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
                       "phase": state.phase, "percent": state.percent})
-
-    async def inject_invalid(self, request: web.Request) -> web.Response:
-        """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""
-        body = await request.json()
-        pool = str(body.get("pool", ""))
-        if pool not in {p.name for p in self.controller.config.pools}:
-            return json_error(404, f"unknown pool {pool!r}")
-        self._injected.discard(pool)
-        if body.get("enabled"):
-            self._injected.add(pool)
-        self.controller.mutators[:] = [invalid_weight_mutator(p) for p in sorted(self._injected)]
-        published = self.controller.publish()
-        return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
 
 
 class _ClientErrorsInOneLine(logging.Filter):

@@ -50,7 +50,6 @@ from xds_server.xds.snapshot import InconsistentSnapshotError, Snapshot, build_s
 
 log = logging.getLogger("trimtab.controller")
 
-Mutator = Callable[[dict[str, list[Message]]], None]
 SLICE_SECONDS = 0.005  # the longest the loop records reads before it serves again
 ClusterJob = tuple[str, PoolConfig, list[EndpointConfig], dict[str, Observation],
                    PoolWeights | None]
@@ -88,7 +87,6 @@ class Controller:
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
         self.stats = TickStats()
-        self.mutators: list[Mutator] = []  # test-only hooks (see admin's /v1/test routes)
         self.canary_percent: dict[str, float] = {}  # what the routes were built with
         self._routes_key: tuple[object, ...] | None = None
         self.on_tick: list[Callable[[], None]] = []
@@ -428,8 +426,6 @@ class Controller:
             type_urls.LISTENER: [self._listener],
             type_urls.ROUTE: [self._routes],
         }
-        for mutate in self.mutators:
-            mutate(messages)
         return messages
 
     def publish(self, read_at: float | None = None) -> bool:
@@ -452,8 +448,7 @@ class Controller:
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
         return (self.config, self.weights, self._clusters, self._auto_clusters, self.auto,
-                self._listener, self._routes, self.canary_percent,
-                *self.mutators)
+                self._listener, self._routes, self.canary_percent)
 
     def view_inputs(self) -> ViewInputs:
         """What the routes of :meth:`resources` are built from; published with the snapshot,
