@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -270,6 +271,24 @@ def test_the_product_holds_no_test_hooks() -> None:
               for number, line in enumerate(path.read_text().splitlines(), 1)
               if any(mark in line for mark in TEST_HOOK_MARKS)]
     assert marked == []
+
+
+RECONCILE_BYPASS = re.compile(
+    r"controller\.(apply_config|publish|publish_off_loop|ingest|set_\w+|_\w+)\b"
+    r"|controller\.(weights|canary_percent|config|auto)\s*=[^=]")
+
+
+def test_other_parts_change_what_is_served_only_through_reconcile() -> None:
+    """One reconcile path (issue 14): admin, discovery and reload ask the controller to
+    `reconcile`; outside control/ nothing applies configs, publishes, or sets its state."""
+    files = {m: p for m, p in module_files().items() if not m.startswith("xds_server.control")}
+    assert "xds_server.app" in files and "xds_server.admin.api" in files
+    offences = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                for path in files.values()
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if RECONCILE_BYPASS.search(line)]
+    assert offences == []
+    assert "controller.reconcile(" in files["xds_server.app"].read_text()
 
 
 def test_weight_calculator_imports_nothing_of_xds_server() -> None:
