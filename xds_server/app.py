@@ -11,7 +11,8 @@ import grpc
 from aiohttp import web
 from grpc_health.v1.health import aio as health_aio
 
-from xds_server.admin.api import AdminApi, start_admin, weights_document
+from xds_server.admin.api import AdminApi, start_admin
+from xds_server.admin.documents import weights_document
 from xds_server.admin.history import WeightHistory
 from xds_server.config.load import ConfigError, load_config
 from xds_server.config.schema import Config

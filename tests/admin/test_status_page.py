@@ -27,7 +27,8 @@ from yarl import URL
 
 from tests.control.test_controller import FakeScraper
 from tests.support.wait import wait_until
-from xds_server.admin.api import AdminApi, weights_document
+from xds_server.admin.api import AdminApi
+from xds_server.admin.documents import weights_document
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes, read_asset
 from xds_server.config.load import parse_config
