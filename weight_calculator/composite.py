@@ -53,11 +53,11 @@ from dataclasses import dataclass, fields
 from itertools import combinations
 from typing import Literal, NamedTuple
 
+from weight_calculator.health import DEGRADED, HEALTHY, INVALID, STALE
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 Staleness = Literal["saturated", "hold", "ignore"]
 STALENESS_MODES: tuple[str, ...] = ("saturated", "hold", "ignore")
-HEALTHY, DEGRADED, STALE, INVALID = "HEALTHY", "DEGRADED", "STALE", "INVALID"
 MIN_WEIGHT = 1  # Envoy NACKs 0
 
 # signal -> (lowest valid, highest valid, lower bound exclusive)

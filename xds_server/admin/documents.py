@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from weight_calculator.health import Health
 from weight_calculator.types import EndpointWeight
 from xds_server.config.pools import EndpointConfig
 from xds_server.control.controller import Controller
@@ -42,7 +43,7 @@ def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, clus
         "reason": ew.reason if ew else "no telemetry yet",
         "cluster": cluster,
         "version": version,
-        "health": ew.health if ew else "STALE",
+        "health": ew.health if ew else Health.STALE,
         "problems": list(ew.problems) if ew else [],
         "breakdown": breakdown_document(endpoint, ew),
     }
