@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -38,6 +39,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,45 @@ async def _one_cds_fetch(xds_port: int) -> float:
 
 # --- trimtab (this process) -------------------------------------------------------------------
 
+class GcWatch:
+    """Every cyclic-GC collection in this process while installed (``gc.callbacks``): its
+    generation, pause and thread. A collection holds the GIL whichever thread runs it, so
+    each full one stalls the serving loop for its whole pause."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, str]] = []  # (generation, seconds, thread name)
+        self._started = 0.0
+        self.tracked = self.frozen = 0
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started,
+                                threading.current_thread().name))
+
+    def heap(self) -> None:
+        """Note the tracked and frozen object counts now (call while trimtab runs)."""
+        self.tracked, self.frozen = len(gc.get_objects()), gc.get_freeze_count()
+
+    def summary(self, ticks: int) -> dict[str, Any]:
+        full = [(s, thread) for generation, s, thread in self.pauses if generation == 2]
+        on_loop = [s for s, thread in full if thread == threading.main_thread().name]
+        return {"collections": len(self.pauses), "gen2": len(full),
+                "gen2_per_tick": round(len(full) / max(1, ticks), 2),
+                "gen2_on_loop": len(on_loop),
+                "gen2_max_ms": round(1000.0 * max((s for s, _ in full), default=0.0), 1),
+                "max_ms": round(1000.0 * max((s for _, s, _ in self.pauses), default=0.0), 1),
+                "tracked": self.tracked, "frozen": self.frozen}
+
+
 def scenario_config(name: str, peers: int, xds: int, admin: int, listener: int
                     ) -> dict[str, Any]:
     base: dict[str, Any] = {"xds": {"address": f"127.0.0.1:{xds}"},
@@ -219,12 +260,14 @@ async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
     prober = mp.get_context("spawn").Process(target=probe, args=(admin, xds, seconds, out))
     started = time.perf_counter()
     prober.start()
-    samples = await asyncio.get_running_loop().run_in_executor(None, out.get)
+    with GcWatch() as watch:
+        samples = await asyncio.get_running_loop().run_in_executor(None, out.get)
+    watch.heap()
     prober.join()
     stop.set()
     await running
     during = [t for t in ticks if t >= started]
-    result: dict[str, Any] = {"ticks": len(during)}
+    result: dict[str, Any] = {"ticks": len(during), "gc": watch.summary(len(during))}
     for key, values in samples.items():
         result[key.removesuffix("_s")] = summarise([1000.0 * v for v in values])
     return result
