@@ -262,7 +262,7 @@ async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
     prober.start()
     with GcWatch() as watch:
         samples = await asyncio.get_running_loop().run_in_executor(None, out.get)
-    watch.heap()
+        await heap_after_next_tick(app.controller, watch)
     prober.join()
     stop.set()
     await running
@@ -271,6 +271,22 @@ async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
     for key, values in samples.items():
         result[key.removesuffix("_s")] = summarise([1000.0 * v for v in values])
     return result
+
+
+async def heap_after_next_tick(controller: Any, watch: GcWatch) -> None:
+    """Count the heap at the end of the next tick (after the probe: the count walks every
+    object). ``gc.get_objects`` must not run while another thread builds a tuple (it would
+    see it half-made), so it runs in an ``on_tick`` hook: on the loop, the worker idle."""
+    counted = asyncio.Event()
+
+    def count() -> None:
+        if not counted.is_set():
+            watch.heap()
+            counted.set()
+
+    controller.on_tick.append(count)
+    await asyncio.wait_for(counted.wait(), 30)
+    controller.on_tick.remove(count)
 
 
 def summarise(values_ms: list[float]) -> dict[str, float]:
@@ -308,7 +324,18 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             cells = ["/".join(f"{r[kind][stat]:.0f}" for r in runs)
                      for stat in ("p50_ms", "p99_ms", "max_ms")]
             lines.append(f"{name:<16} {kind:<8} {cells[0]:>16} {cells[1]:>22} {cells[2]:>22}")
+        if all("gc" in r for r in runs):
+            lines.append(f"{name:<16} gc       " + gc_cells([r["gc"] for r in runs]))
     return lines
+
+
+def gc_cells(gcs: list[dict[str, Any]]) -> str:
+    def cells(key: str) -> str:
+        return "/".join(f"{g[key]:g}" for g in gcs)
+
+    return (f"full per tick {cells('gen2_per_tick')}, worst full ms {cells('gen2_max_ms')}, "
+            f"worst any ms {cells('max_ms')}, tracked {cells('tracked')}, "
+            f"frozen {cells('frozen')}")
 
 
 def main(argv: list[str] | None = None) -> int:

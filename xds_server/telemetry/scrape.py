@@ -365,13 +365,14 @@ def rejected_load_signals(problems: Iterable[str], signals: Mapping[str, float]
     return tuple(found)
 
 
-# One endpoint's latest state in the store, as a plain tuple of atomic values (floats, str,
-# None, tuples of str, a dict of floats): (collected_at, signals, problems, saturated) of the
-# last good sample (all None/() when there is none), then the latest error and failures. The
-# cyclic GC untracks such tuples and dicts, so 10,000 endpoints add nothing to what each
-# full collection walks (an Observation and its Sample are two tracked objects each).
-Row = tuple[float | None, dict[str, float] | None, tuple[str, ...], tuple[str, ...], str | None,
-            int]
+# One endpoint's latest state in the store, as a tuple of atomic values and tuples of them:
+# (collected_at, signals as (name, value) pairs, problems, saturated) of the last good sample
+# (None, None, (), () when there is none), then the latest error and failures in a row. The
+# cyclic GC untracks such a tuple (not one that holds a dict, even an untracked one), so
+# 10,000 endpoints add nothing to what each full collection walks; an Observation and its
+# Sample would be two tracked objects per endpoint.
+Row = tuple[float | None, tuple[tuple[str, float], ...] | None, tuple[str, ...], tuple[str, ...],
+            str | None, int]
 _NO_ROW: Row = (None, None, (), (), None, 0)
 
 
@@ -389,7 +390,8 @@ class ObservationRows:
 
 def _observation(row: Row, first_seen: float | None) -> Observation:
     at, signals, problems, saturated, error, failures = row
-    sample = None if at is None or signals is None else Sample(at, signals, problems, saturated)
+    sample = None if at is None or signals is None else Sample(at, dict(signals), problems,
+                                                               saturated)
     return Observation(sample, error, first_seen, failures)
 
 
@@ -447,7 +449,7 @@ class TelemetryStore:
             else:
                 saturated.append(name)
                 problems.append(f"{name}: counted as saturated until it is valid again")
-        return (at, signals, tuple(problems), tuple(saturated), None, 0)
+        return (at, tuple(signals.items()), tuple(problems), tuple(saturated), None, 0)
 
     def seen(self, addresses: Iterable[str], at: float) -> None:
         """Note ``at`` as the first-seen time of every address not seen before."""
