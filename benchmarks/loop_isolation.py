@@ -16,7 +16,10 @@ and, in separate processes so that they do not share its GIL, the telemetry peer
 The probe sends ``GET /healthz`` every 20 ms (one keep-alive connection) and, every 100 ms,
 a fresh ADS CDS fetch (new channel, stream, first CDS response), for ``--seconds`` per
 scenario, and reports p50 / p99 / max per scenario and run (``--runs``, for the spread; each
-target is judged on the worst run). The targets (issue 13): with the big page,
+target is judged on the worst run), and per scenario and run the cyclic-GC collections in
+trimtab's process (``gc.callbacks``: full ones per tick, the worst pauses, the tracked and
+frozen objects after the probe; a collection holds the GIL on whichever thread runs it, so
+its pause is the loop's). The targets (issue 13): with the big page,
 ``/healthz`` p99 and CDS fetch p99 <= 100 ms; with 10,000 endpoints, ``/healthz`` max <= 100 ms.
 Writes ``benchmarks/results/loop_isolation.json``.
 
