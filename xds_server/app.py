@@ -13,7 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from xds_server.admin.api import AdminApi, start_admin
 from xds_server.admin.documents import weights_document
-from xds_server.admin.history import WeightHistory
+from xds_server.admin.history import WeightHistory, history_point
 from xds_server.config.load import ConfigError, load_config
 from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
@@ -208,9 +208,10 @@ class Trimtab:
 
     def _prepare_history(self) -> Callable[[], None]:
         """On the telemetry worker: the weights document (CPU-heavy at fleet scale, reads
-        only what a tick replaces); the loop then records it."""
-        at, document = self.controller.clock(), weights_document(self.controller)
-        return lambda: self.history.record(at, document)
+        only what a tick replaces) and its history point, so that only the point (a few
+        untracked maps) outlives the job; the loop then adds it."""
+        point = history_point(self.controller.clock(), weights_document(self.controller))
+        return lambda: self.history.add(point)
 
     def _apply_discovered(self, config: Config) -> None:
         self.controller.reconcile(config)

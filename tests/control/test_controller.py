@@ -406,10 +406,17 @@ def test_off_loop_tick_hooks_prepare_on_the_worker_and_apply_on_the_loop():
     assert set(seen["weights"]) == {"p", "q"}
 
 
-def test_the_startup_heap_is_frozen_out_of_the_cyclic_gc_after_a_tick():
+def test_the_startup_heap_is_frozen_out_of_the_cyclic_gc_after_a_tick_until_close():
     import gc
 
     controller, scraper, _, _ = make()
     scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 80.0, "10.0.1.1:80": 0.0}
-    asyncio.run(controller.tick())
-    assert controller_module._heap_frozen and gc.get_freeze_count() > 0
+
+    async def scenario() -> tuple[int, int]:
+        await controller.tick()
+        frozen = gc.get_freeze_count()
+        await controller.close()
+        return frozen, gc.get_freeze_count()
+
+    frozen, after_close = asyncio.run(scenario())
+    assert frozen > 0 and after_close == 0  # closed: what it held can be collected again
