@@ -15,12 +15,12 @@ from aiohttp import web
 
 from tests.support.paths import METRICS_FIXTURES
 from weight_calculator.types import Observation, Sample
-from xds_server.telemetry import bounds
-from xds_server.telemetry import scrape as telemetry
+from xds_server.telemetry import bounds, worker
 from xds_server.telemetry.bounds import refuse_unparsed, series_over, too_many_series
 from xds_server.telemetry.parsers import page_signals, parse_page
 from xds_server.telemetry.parsers.reader import MetricsFormatError
-from xds_server.telemetry.scrape import Scraper, ScrapeResult, TelemetryStore
+from xds_server.telemetry.scrape import Scraper, ScrapeResult
+from xds_server.telemetry.store import TelemetryStore
 
 FIXTURES = METRICS_FIXTURES
 TIMEOUT = 0.5
@@ -440,9 +440,9 @@ def test_off_loop_pauses_the_cyclic_gc_while_its_job_runs() -> None:
 
     async def scenario() -> tuple[bool, str]:
         with pytest.raises(RuntimeError):
-            await telemetry.off_loop(job, True)
+            await worker.off_loop(job, True)
         assert gc.isenabled()
-        return await telemetry.off_loop(job, False)
+        return await worker.off_loop(job, False)
 
     assert gc.isenabled()
     enabled_inside, thread = asyncio.run(scenario())

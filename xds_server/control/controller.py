@@ -42,14 +42,10 @@ from xds_server.envoy.routes import build_listener, build_route_config
 from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
-from xds_server.telemetry.scrape import (
-    ObservationRows,
-    Scraper,
-    ScrapeResult,
-    TelemetryStore,
-    off_loop,
-)
+from xds_server.telemetry.scrape import Scraper, ScrapeResult
 from xds_server.telemetry.sources import TelemetrySource, build_sources
+from xds_server.telemetry.store import ObservationRows, TelemetryStore
+from xds_server.telemetry.worker import off_loop
 from xds_server.xds import type_urls
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.snapshot import InconsistentSnapshotError, Snapshot, build_snapshot

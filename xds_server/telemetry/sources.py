@@ -27,7 +27,8 @@ from xds_server.config.pools import EndpointConfig
 from xds_server.config.schema import Config
 from xds_server.telemetry.parsers import parse_page
 from xds_server.telemetry.promql import PromQLResult, PromQLSource
-from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult, off_loop
+from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult
+from xds_server.telemetry.worker import off_loop
 
 Clock = Callable[[], float]
 _DCGM_SIGNALS = ("gpu_mem_pct", "gpu_util_pct")
