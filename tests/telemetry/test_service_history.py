@@ -83,7 +83,7 @@ def test_a_config_naming_neither_gets_queueing_weights_and_least_request() -> No
 
 
 def test_a_standby_endpoint_is_draining_in_eds() -> None:
-    from xds_server.control.controller import _eds_health
+    from xds_server.envoy.build import eds_health as _eds_health
 
     assert _eds_health("STANDBY") == "DRAINING"
     assert _eds_health("DEGRADED") == "DEGRADED" and _eds_health("STALE") == "HEALTHY"

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from google.protobuf.message import Message
 
-from weight_calculator.queueing import STANDBY
 from weight_calculator.types import PoolWeights
 from xds_server.admin import metrics
 from xds_server.config.pools import EndpointConfig, PoolConfig
@@ -27,18 +26,13 @@ from xds_server.control.autoscale import Autoscaler
 from xds_server.control.rollouts.runner import Rollouts
 from xds_server.control.slo import SloTracker
 from xds_server.control.weights import LatencyWindow, cluster_weights
-from xds_server.envoy.clusters import (
-    DEGRADED,
-    DRAINING,
-    HEALTHY,
-    EndpointSetting,
-    build_cluster,
-    build_clusters,
-    build_load_assignment,
+from xds_server.envoy.build import (
+    RouteResources,
+    build_resources,
+    config_resources,
+    route_resources,
 )
 from xds_server.envoy.prompt_classes import AutoClass, capacities_of, derive_classes
-from xds_server.envoy.request_features import extra_clusters as feature_clusters
-from xds_server.envoy.routes import build_listener, build_route_config
 from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
@@ -88,8 +82,7 @@ class Controller:
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
         self.stats = TickStats()
-        self.canary_percent: dict[str, float] = {}  # what the routes were built with
-        self._routes_key: tuple[object, ...] | None = None
+        self._routing: RouteResources | None = None  # routes and derived clusters, see _sync_routes
         self.on_tick: list[Callable[[], None]] = []
         # After each tick, on the telemetry worker: read-only work (e.g. a document of the
         # weights) that returns what to apply on the loop.
@@ -105,7 +98,6 @@ class Controller:
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self._notes_lock = threading.Lock()  # one weighing's notes at a time (see ingest_off_loop)
         self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
-        self._auto_clusters: list[Message] = []
         self._heap_frozen = False  # see freeze_startup_heap
         self.apply_config(config)
 
@@ -123,12 +115,9 @@ class Controller:
         self.config = config
         self.store.hold_seconds = config.telemetry.stale_after_seconds
         self.sources = self._keep_sources(old, config)
-        self._clusters = [c for pool in config.pools for c in build_clusters(pool)]
-        self._clusters += feature_clusters(config)
-        self._listener = build_listener(config)
+        self._static = config_resources(config)
         self.auto = {name: c for name, c in self.auto.items()
                      if any(p.name == name and p.auto_classes for p in config.pools)}
-        self._auto_clusters = self._build_auto_clusters()
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
@@ -205,15 +194,17 @@ class Controller:
                 del table[key]
 
     def _sync_routes(self) -> None:
-        """Build the RDS routes from what they depend on: the config, the canary shares the
-        rollouts hold (their one home) and the automatic classes; only when one changed."""
+        """Build the RDS routes (and the derived clusters) from what they depend on: the
+        config, the canary shares the rollouts hold (their one home) and the automatic
+        classes; only when one changed."""
         percent = self.rollouts.percents()
-        key = (percent, self.auto)
-        if self._routes_key is None or self._routes_key[0] is not self.config \
-                or self._routes_key[1:] != key:
-            self._routes_key = (self.config, *key)
-            self.canary_percent = percent
-            self._routes = build_route_config(self.config, percent, self.auto)
+        if self._routing is None or not self._routing.built_from(self.config, percent, self.auto):
+            self._routing = route_resources(self.config, percent, self.auto)
+
+    @property
+    def canary_percent(self) -> Mapping[str, float]:
+        """The canary shares the served routes were built with."""
+        return self._routing.canary_percent if self._routing is not None else {}
 
     def reconcile(self, config: Config | None = None) -> bool:
         """The one way other parts change what is served: a new config (discovery) is applied
@@ -356,24 +347,7 @@ class Controller:
                 p: [(c.cluster, c.min_prompt_bytes, c.max_prompt_bytes, len(c.addresses))
                     for c in cs] for p, cs in auto.items()} or "none")
             self.auto = auto
-            self._auto_clusters = self._build_auto_clusters()
             self._sync_routes()
-
-    def _build_auto_clusters(self) -> list[Message]:
-        return [build_cluster(self.config.pool(name), c.cluster)
-                for name, classes in self.auto.items() for c in classes]
-
-    def _auto_assignments(self, settings: Mapping[str, Mapping[str, EndpointSetting]]
-                          ) -> list[Message]:
-        """Each derived cluster holds its members with the pool's own weights and health."""
-        out: list[Message] = []
-        for name, classes in self.auto.items():
-            pool = self.config.pool(name)
-            by_address = {ep.address: ep for ep in pool.endpoints}
-            for c in classes:
-                members = [by_address[a] for a in c.addresses if a in by_address]
-                out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
-        return out
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
@@ -413,24 +387,10 @@ class Controller:
             log.info("endpoint %s telemetry input problems cleared", key)
             del self.stats.problems[key]
 
-    def settings(self) -> dict[str, dict[str, EndpointSetting]]:
-        """cluster -> address -> EDS setting."""
-        return {cluster: {address: EndpointSetting(ew.weight, _eds_health(ew.health))
-                          for address, ew in pw.endpoints.items()}
-                for cluster, pw in self.weights.items()}
-
     def resources(self) -> dict[str, list[Message]]:
-        settings = self.settings()
-        messages: dict[str, list[Message]] = {
-            type_urls.CLUSTER: [*self._clusters, *self._auto_clusters],
-            type_urls.ENDPOINT: [*(build_load_assignment(name, endpoints, settings.get(name, {}))
-                                   for pool in self.config.pools
-                                   for name, _, endpoints in pool.clusters()),
-                                 *self._auto_assignments(settings)],
-            type_urls.LISTENER: [self._listener],
-            type_urls.ROUTE: [self._routes],
-        }
-        return messages
+        """Every resource to serve, from the current inputs (:func:`envoy.build.build_resources`)."""
+        assert self._routing is not None  # built by apply_config
+        return build_resources(self._static, self._routing, self.weights)
 
     def publish(self, read_at: float | None = None) -> bool:
         """Build, check and publish a snapshot. An inconsistent one is refused (our fault):
@@ -451,8 +411,7 @@ class Controller:
 
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
-        return (self.config, self.weights, self._clusters, self._auto_clusters, self.auto,
-                self._listener, self._routes, self.canary_percent)
+        return (self.config, self.weights, self._static, self._routing)
 
     def view_inputs(self) -> ViewInputs:
         """What the routes of :meth:`resources` are built from; published with the snapshot,
@@ -538,14 +497,6 @@ def needs_slo(config: Config) -> bool:
     """Canary gates and the autoscaler read latency histograms; plain weighting does not."""
     return config.keda.address is not None or any(
         pool.versions is not None or pool.scaling is not None for pool in config.pools)
-
-
-def _eds_health(health: str) -> str:
-    """DEGRADED reaches EDS as DEGRADED, the queueing policy's STANDBY as DRAINING (no new
-    requests); stale or invalid telemetry is expressed through weight."""
-    if health == STANDBY:
-        return DRAINING
-    return DEGRADED if health == DEGRADED else HEALTHY
 
 
 def _describe_change(previous: Snapshot | None, snapshot: Snapshot) -> str:

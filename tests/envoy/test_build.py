@@ -1,0 +1,59 @@
+"""envoy.build: every resource from (config, canary shares, auto classes, weights), pure."""
+
+from __future__ import annotations
+
+from weight_calculator.types import EndpointWeight, PoolWeights
+from xds_server.config.load import parse_config
+from xds_server.envoy.build import (
+    build_resources,
+    config_resources,
+    eds_health,
+    endpoint_settings,
+    route_resources,
+)
+from xds_server.xds import type_urls as T
+
+CONFIG = parse_config({"pools": [{
+    "name": "p", "model": "m",
+    "versions": {"stable": {"endpoints": [{"address": "10.0.0.1:80"}]},
+                 "canary": {"endpoints": [{"address": "10.0.0.2:80"}]}}}]})
+
+
+def _weights(stable: int, canary: int, health: str = "HEALTHY") -> dict[str, PoolWeights]:
+    def one(weight: int) -> EndpointWeight:
+        return EndpointWeight(weight, False, False, {}, 1.0, "ok", health)
+    return {"p": PoolWeights({"10.0.0.1:80": one(stable)}, False),
+            "p-canary": PoolWeights({"10.0.0.2:80": one(canary)}, False)}
+
+
+def _bytes(resources: dict) -> dict[str, list[bytes]]:
+    return {t: [m.SerializeToString(deterministic=True) for m in ms] for t, ms in resources.items()}
+
+
+def test_the_same_inputs_give_the_same_bytes_and_weights_touch_only_eds() -> None:
+    static, routing = config_resources(CONFIG), route_resources(CONFIG, {"p": 20.0}, {})
+    first = build_resources(static, routing, _weights(50, 10))
+    again = build_resources(config_resources(CONFIG), route_resources(CONFIG, {"p": 20.0}, {}),
+                            _weights(50, 10))
+    assert _bytes(first) == _bytes(again)
+    moved = build_resources(static, routing, _weights(70, 10))
+    assert _bytes(moved)[T.ENDPOINT] != _bytes(first)[T.ENDPOINT]
+    for kind in (T.CLUSTER, T.LISTENER, T.ROUTE):
+        assert [id(m) for m in moved[kind]] == [id(m) for m in first[kind]]  # built once
+
+
+def test_routes_follow_the_canary_share() -> None:
+    static = config_resources(CONFIG)
+    none, twenty = route_resources(CONFIG, {}, {}), route_resources(CONFIG, {"p": 20.0}, {})
+    assert twenty.built_from(CONFIG, {"p": 20.0}, {}) and not twenty.built_from(CONFIG, {}, {})
+    a = build_resources(static, none, _weights(50, 10))[T.ROUTE][0]
+    b = build_resources(static, twenty, _weights(50, 10))[T.ROUTE][0]
+    assert a.SerializeToString(deterministic=True) != b.SerializeToString(deterministic=True)
+
+
+def test_eds_health_carries_degraded_and_standby_only() -> None:
+    assert eds_health("STANDBY") == "DRAINING" and eds_health("DEGRADED") == "DEGRADED"
+    assert {eds_health(h) for h in ("HEALTHY", "STALE", "INVALID", "WARMING")} == {"HEALTHY"}
+    settings = endpoint_settings(_weights(5, 1, health="STANDBY"))
+    assert settings["p"]["10.0.0.1:80"].weight == 5
+    assert settings["p"]["10.0.0.1:80"].health == "DRAINING"

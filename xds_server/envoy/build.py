@@ -1,0 +1,119 @@
+"""Inputs -> resources, pure: everything trimtab serves, built from the config, the canary
+shares, the automatic prompt-size classes and the weights.
+
+The parts that change only with the config (:class:`ConfigResources`: clusters, listener) or
+with the routing inputs (:class:`RouteResources`: routes, derived clusters) are built once
+when those change and reused by every tick, so each is encoded once; only the
+ClusterLoadAssignments follow the weights (:func:`build_resources`)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from google.protobuf.message import Message
+
+from weight_calculator.health import DEGRADED as DEGRADED_HEALTH
+from weight_calculator.health import STANDBY
+from weight_calculator.types import PoolWeights
+from xds_server.config.schema import Config
+from xds_server.envoy.clusters import (
+    DEGRADED,
+    DRAINING,
+    HEALTHY,
+    EndpointSetting,
+    build_cluster,
+    build_clusters,
+    build_load_assignment,
+)
+from xds_server.envoy.prompt_classes import AutoClass
+from xds_server.envoy.request_features import extra_clusters as feature_clusters
+from xds_server.envoy.routes import build_listener, build_route_config
+from xds_server.xds import type_urls
+
+AutoClasses = Mapping[str, tuple[AutoClass, ...]]  # pool -> its derived classes
+
+
+@dataclass(frozen=True)
+class ConfigResources:
+    """What one config gives: every pool's clusters (and the request-feature clusters) and
+    the listener."""
+
+    config: Config
+    clusters: tuple[Message, ...]
+    listener: Message
+
+
+def config_resources(config: Config) -> ConfigResources:
+    clusters = [c for pool in config.pools for c in build_clusters(pool)]
+    return ConfigResources(config, (*clusters, *feature_clusters(config)), build_listener(config))
+
+
+@dataclass(frozen=True)
+class RouteResources:
+    """What the routing inputs give: the RDS routes and the automatic classes' clusters.
+    ``canary_percent`` is kept as the one object the routes were built from (per-node
+    views compare it by identity)."""
+
+    config: Config
+    canary_percent: Mapping[str, float]
+    auto: AutoClasses
+    auto_clusters: tuple[Message, ...]
+    routes: Message
+
+    def built_from(self, config: Config, canary_percent: Mapping[str, float],
+                   auto: AutoClasses) -> bool:
+        return (self.config is config and self.canary_percent == canary_percent
+                and self.auto == auto)
+
+
+def route_resources(config: Config, canary_percent: Mapping[str, float],
+                    auto: AutoClasses) -> RouteResources:
+    auto_clusters = tuple(build_cluster(config.pool(name), c.cluster)
+                          for name, classes in auto.items() for c in classes)
+    return RouteResources(config, canary_percent, auto, auto_clusters,
+                          build_route_config(config, canary_percent, auto))
+
+
+def eds_health(health: str) -> str:
+    """DEGRADED reaches EDS as DEGRADED, the queueing policy's STANDBY as DRAINING (no new
+    requests); stale or invalid telemetry is expressed through weight."""
+    if health == STANDBY:
+        return DRAINING
+    return DEGRADED if health == DEGRADED_HEALTH else HEALTHY
+
+
+def endpoint_settings(weights: Mapping[str, PoolWeights]
+                      ) -> dict[str, dict[str, EndpointSetting]]:
+    """cluster -> address -> the EDS weight and health."""
+    return {cluster: {address: EndpointSetting(ew.weight, eds_health(ew.health))
+                      for address, ew in pw.endpoints.items()}
+            for cluster, pw in weights.items()}
+
+
+def build_resources(static: ConfigResources, routing: RouteResources,
+                    weights: Mapping[str, PoolWeights]) -> dict[str, list[Message]]:
+    """Every resource by type URL: the config's clusters and the derived ones, a
+    ClusterLoadAssignment per cluster with its weights, the listener and the routes."""
+    settings = endpoint_settings(weights)
+    config = static.config
+    assignments = [build_load_assignment(name, endpoints, settings.get(name, {}))
+                   for pool in config.pools for name, _, endpoints in pool.clusters()]
+    return {
+        type_urls.CLUSTER: [*static.clusters, *routing.auto_clusters],
+        type_urls.ENDPOINT: [*assignments, *_auto_assignments(config, routing.auto, settings)],
+        type_urls.LISTENER: [static.listener],
+        type_urls.ROUTE: [routing.routes],
+    }
+
+
+def _auto_assignments(config: Config, auto: AutoClasses,
+                      settings: Mapping[str, Mapping[str, EndpointSetting]]) -> list[Message]:
+    """Each derived cluster holds its members with the pool's own weights and health."""
+    out: list[Message] = []
+    for name, classes in auto.items():
+        by_address = {ep.address: ep for ep in config.pool(name).endpoints}
+        for c in classes:
+            members = [by_address[a] for a in c.addresses if a in by_address]
+            out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
+    return out
