@@ -10,10 +10,9 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
-import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from google.protobuf.message import Message
@@ -23,8 +22,10 @@ from xds_server.admin import metrics
 from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.autoscale import Autoscaler
+from xds_server.control.notes import TickStats, WeighingNotes
 from xds_server.control.rollouts.runner import Rollouts
 from xds_server.control.slo import SloTracker
+from xds_server.control.source_set import SourceSet
 from xds_server.control.weights import LatencyWindow, cluster_weights
 from xds_server.envoy.build import (
     RouteResources,
@@ -37,7 +38,7 @@ from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
 from xds_server.telemetry.scrape import Scraper, ScrapeResult
-from xds_server.telemetry.sources import TelemetrySource, build_sources
+from xds_server.telemetry.sources import TelemetrySource
 from xds_server.telemetry.store import ObservationRows, TelemetryStore
 from xds_server.telemetry.worker import off_loop
 from xds_server.xds import type_urls
@@ -57,17 +58,6 @@ class WeighingJobs:
     config: Config
     now: float
     clusters: list[ClusterJob]
-
-
-@dataclass
-class TickStats:
-    ticks: int = 0
-    published: int = 0
-    rejected: int = 0
-    last_tick_at: float | None = None
-    last_error: str | None = None
-    stale: dict[str, bool] = field(default_factory=dict)  # "pool/address" -> stale
-    problems: dict[str, tuple[str, ...]] = field(default_factory=dict)  # flagged endpoints
 
 
 class Controller:
@@ -91,12 +81,9 @@ class Controller:
         self.scraper = scraper or self._new_scraper(config)
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
         self.service = ServiceHistory()  # counter reads for the queueing policy
-        self.sources: dict[str, TelemetrySource] = {}
-        self._retired: list[TelemetrySource | Scraper] = []  # replaced, to be closed
-        self._closing: set[asyncio.Task[None]] = set()
-        self._error_series: set[str] = set()  # clusters with a telemetry-errors series
+        self._sources = SourceSet()
+        self.notes = WeighingNotes(self.stats)
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
-        self._notes_lock = threading.Lock()  # one weighing's notes at a time (see ingest_off_loop)
         self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
         self._heap_frozen = False  # see freeze_startup_heap
         self.apply_config(config)
@@ -114,7 +101,7 @@ class Controller:
         old = getattr(self, "config", None)
         self.config = config
         self.store.hold_seconds = config.telemetry.stale_after_seconds
-        self.sources = self._keep_sources(old, config)
+        self._sources.apply(old, config, self.scraper)
         self._static = config_resources(config)
         self.auto = {name: c for name, c in self.auto.items()
                      if any(p.name == name and p.auto_classes for p in config.pools)}
@@ -129,69 +116,12 @@ class Controller:
         self.autoscaler.apply_config(config)
         members = self._members()
         self.weights = {k: v for k, v in self.weights.items() if k in members}
-        self._forget_series(members)
-        self._schedule_close()
+        self.notes.forget(members)
 
     def _members(self) -> dict[str, set[str]]:
         """cluster -> the addresses of its endpoints, in the current config."""
         return {name: {ep.address for ep in endpoints}
                 for pool in self.config.pools for name, _, endpoints in pool.clusters()}
-
-    def _keep_sources(self, old: Config | None, config: Config) -> dict[str, TelemetrySource]:
-        """The sources ``config`` needs, reusing every current one whose settings match."""
-        fresh = build_sources(config, self.scraper, needs_slo(config))
-        same = old is not None and old.telemetry == config.telemetry \
-            and needs_slo(old) == needs_slo(config)
-        kept: dict[str, TelemetrySource] = {}
-        for kind, source in fresh.items():
-            current = self.sources.get(kind)
-            if same and current is not None and getattr(current, "scraper", self.scraper) \
-                    is self.scraper:
-                kept[kind] = current
-            else:
-                kept[kind] = source
-        for kind, source in self.sources.items():
-            if kept.get(kind) is not source and kind != "scrape":  # scrape: the shared scraper
-                self._retired.append(source)
-        return kept
-
-    def _schedule_close(self) -> None:
-        """Close retired sources in the background (apply_config runs in sync callbacks)."""
-        if not self._retired:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:  # no loop yet: reload() or close() closes them
-            return
-        task = loop.create_task(self._close_retired())
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
-
-    async def _close_retired(self) -> None:
-        retired, self._retired = self._retired, []
-        for source in retired:
-            try:
-                await source.close()
-            except Exception:  # noqa: BLE001 - one failing close must not keep the others open
-                log.exception("closing a retired telemetry source failed")
-
-    def _forget_series(self, members: Mapping[str, set[str]]) -> None:
-        """Remove metric series and stats of clusters and endpoints no longer configured.
-        Under ``_notes_lock``: the telemetry worker writes the same series and stats."""
-        with self._notes_lock:
-            self._forget_series_locked(members)
-
-    def _forget_series_locked(self, members: Mapping[str, set[str]]) -> None:
-        """The per-endpoint series need no removal (admin.metrics.FleetCollector renders them
-        from the weights); the telemetry-errors counter of a cluster that is gone does."""
-        for cluster in [c for c in self._error_series if c not in members]:
-            metrics.SCRAPE_ERRORS.remove(cluster)
-            self._error_series.discard(cluster)
-        keys = {f"{cluster}/{address}" for cluster, addresses in members.items()
-                for address in addresses}
-        for table in (self.stats.stale, self.stats.problems):
-            for key in [k for k in table if k not in keys]:
-                del table[key]
 
     def _sync_routes(self) -> None:
         """Build the RDS routes (and the derived clusters) from what they depend on: the
@@ -200,6 +130,10 @@ class Controller:
         percent = self.rollouts.percents()
         if self._routing is None or not self._routing.built_from(self.config, percent, self.auto):
             self._routing = route_resources(self.config, percent, self.auto)
+
+    @property
+    def sources(self) -> dict[str, TelemetrySource]:
+        return self._sources.sources
 
     @property
     def canary_percent(self) -> Mapping[str, float]:
@@ -223,10 +157,10 @@ class Controller:
         scraping = (old.scrape_timeout, old.max_concurrency)
         new = (config.telemetry.scrape_timeout, config.telemetry.max_concurrency)
         if self._own_scraper and scraping != new:
-            self._retired.append(self.scraper)
+            self._sources.retire(self.scraper)
             self.scraper = self._new_scraper(config)
         self.apply_config(config)
-        await self._close_retired()
+        await self._sources.close_retired()
         if config.telemetry.interval_seconds != old.interval_seconds:
             self._replan.set()
         self.ingest({})
@@ -269,7 +203,7 @@ class Controller:
         on the calling thread (reload, explain, tests); a tick uses :meth:`ingest_off_loop`."""
         results = {address: self._record(address, r) for address, r in results.items()}
         jobs = self._weighing_jobs()
-        with self._notes_lock:
+        with self.notes.lock:
             self.weights = self._weigh_and_note(jobs, results)
         self._update_auto_classes()
 
@@ -279,7 +213,7 @@ class Controller:
         Reads are recorded on the loop (that state is the loop's), yielding to it every
         :data:`SLICE_SECONDS`; the observations are copied there too. The weighing and its
         notes (logs, metrics, ``stats.stale``/``problems``, written by nothing else and under
-        ``_notes_lock``) run on the telemetry worker. The weights are applied on the loop,
+        ``notes.lock``) run on the telemetry worker. The weights are applied on the loop,
         unless the config changed meanwhile (a reload or discovery weighed and published its
         own; the next tick reads and weighs the new config)."""
         config = self.config
@@ -298,7 +232,7 @@ class Controller:
             self.weights = weights
             self._update_auto_classes()
         else:  # its notes may have named endpoints or clusters the new config dropped
-            self._forget_series(self._members())
+            self.notes.forget(self._members())
 
     def _weighing_jobs(self) -> WeighingJobs:
         """What weighing needs, taken on the loop: the time, and per cluster its pool,
@@ -315,7 +249,7 @@ class Controller:
 
     def _locked_weigh_and_note(self, jobs: WeighingJobs, results: dict[str, ScrapeResult]
                                ) -> dict[str, PoolWeights]:
-        with self._notes_lock:
+        with self.notes.lock:
             return self._weigh_and_note(jobs, results)
 
     def _weigh_and_note(self, jobs: WeighingJobs, results: dict[str, ScrapeResult]
@@ -325,7 +259,7 @@ class Controller:
             weights[cluster] = cluster_weights(jobs.config, pool, endpoints, rows.observations(),
                                                self.latency, jobs.now, previous,
                                                self.service)
-            self._note_pool(cluster, weights[cluster], results)
+            self.notes.note_pool(cluster, weights[cluster], results)
         return weights
 
     def _update_auto_classes(self) -> None:
@@ -359,33 +293,6 @@ class Controller:
             result = replace(result, signals=clean, problems=result.problems + rejected)
         self.store.record(address, result)
         return result
-
-    def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
-        """Logs and stats of one cluster's weighing (its gauges are rendered at scrape time)."""
-        for address, ew in weights.endpoints.items():
-            key = f"{pool}/{address}"
-            if self.stats.stale.get(key, False) != ew.stale:
-                error = results[address].error if address in results else None
-                log.log(logging.WARNING if ew.stale else logging.INFO,
-                        "endpoint %s telemetry %s%s", key, "stale" if ew.stale else "recovered",
-                        f": {error}" if ew.stale and error else "")
-            self.stats.stale[key] = ew.stale
-            self._note_problems(key, ew.problems)
-            read = results.get(address)
-            if read is not None and (read.error or read.problems):
-                metrics.SCRAPE_ERRORS.labels(pool=pool).inc()
-                self._error_series.add(pool)
-
-    def _note_problems(self, key: str, problems: tuple[str, ...]) -> None:
-        """Log an endpoint's rejected inputs once per change (and once when they clear)."""
-        if self.stats.problems.get(key, ()) == problems:
-            return
-        if problems:
-            log.warning("endpoint %s telemetry input problems: %s", key, "; ".join(problems))
-            self.stats.problems[key] = problems
-        else:
-            log.info("endpoint %s telemetry input problems cleared", key)
-            del self.stats.problems[key]
 
     def resources(self) -> dict[str, list[Message]]:
         """Every resource to serve, from the current inputs (:func:`envoy.build.build_resources`)."""
@@ -469,12 +376,7 @@ class Controller:
         return self._replan.is_set() and not stop.is_set()
 
     async def close(self) -> None:
-        for kind, source in self.sources.items():
-            if kind != "scrape" or self._own_scraper:
-                await source.close()
-        await self._close_retired()
-        if self._closing:
-            await asyncio.gather(*self._closing, return_exceptions=True)
+        await self._sources.close(self._own_scraper)
         if self._heap_frozen:  # what dies with this controller must be collectable again
             self._heap_frozen = False
             gc.unfreeze()
@@ -491,12 +393,6 @@ def freeze_startup_heap() -> bool:
     gc.collect()
     gc.freeze()
     return True
-
-
-def needs_slo(config: Config) -> bool:
-    """Canary gates and the autoscaler read latency histograms; plain weighting does not."""
-    return config.keda.address is not None or any(
-        pool.versions is not None or pool.scaling is not None for pool in config.pools)
 
 
 def _describe_change(previous: Snapshot | None, snapshot: Snapshot) -> str:
