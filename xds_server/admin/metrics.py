@@ -63,6 +63,19 @@ CONVERGENCE_SECONDS = Histogram(
              30.0))
 
 
+# --- the control loop's decisions -------------------------------------------------------------
+SCALE_SCORE = Gauge("trimtab_pool_scale_score", "Dual-metric scale score of a pool", ["pool"])
+DESIRED_REPLICAS = Gauge("trimtab_pool_desired_replicas", "Replicas the autoscaler asks for",
+                         ["pool"])
+ROLLOUT_PERCENT = Gauge("trimtab_rollout_canary_percent", "Traffic share of a pool's canary",
+                        ["pool"])
+ROLLOUT_EVENTS = Counter("trimtab_rollout_events_total",
+                         "Rollout steps, rollbacks, promotions and operator commands",
+                         ["pool", "kind"])
+LEADER = Gauge("trimtab_leader", "1 while this replica holds the rollout Lease (leads)",
+               ["identity"])
+
+
 class FleetCollector:
     """Per-endpoint and per-pool series from ``weights()`` (cluster -> its weights), at
     scrape time. The ``pool`` label is the cluster (a canary has its own)."""

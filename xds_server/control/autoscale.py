@@ -10,8 +10,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
-from prometheus_client import Gauge
-
 from weight_calculator.scaling import (
     ScalingInputs,
     ScalingPolicy,
@@ -20,6 +18,7 @@ from weight_calculator.scaling import (
     initial_state,
 )
 from weight_calculator.types import PoolWeights
+from xds_server.admin.metrics import DESIRED_REPLICAS, SCALE_SCORE
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.slo import SloTracker
@@ -27,9 +26,6 @@ from xds_server.keda.scaler import InMemoryScaleSource, PoolScale
 
 log = logging.getLogger("trimtab.autoscale")
 
-SCALE_SCORE = Gauge("trimtab_pool_scale_score", "Dual-metric scale score of a pool", ["pool"])
-DESIRED_REPLICAS = Gauge("trimtab_pool_desired_replicas", "Replicas the autoscaler asks for",
-                         ["pool"])
 LATENCY_WINDOW_S = 60.0
 
 

@@ -19,17 +19,13 @@ import logging
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from xds_server.admin.metrics import ROLLOUT_PERCENT
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.leader import LeaderState, LeaseElector, coordination_api_client
 from xds_server.control.rollouts import machine as rollout
 from xds_server.control.rollouts.machine import RolloutCommandError, RolloutState, RolloutStateError
-from xds_server.control.rollouts.runner import (
-    ROLLOUT_PERCENT,
-    Rollouts,
-    _addresses,
-    _default_policy,
-)
+from xds_server.control.rollouts.runner import Rollouts, _addresses, _default_policy
 from xds_server.control.rollouts.state import (
     ConfigMapStateStore,
     StateConflict,

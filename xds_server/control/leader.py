@@ -50,15 +50,13 @@ from typing import Any
 import urllib3
 from kubernetes import client as k8s_client
 from kubernetes.client.exceptions import ApiException
-from prometheus_client import Gauge
 
+from xds_server.admin.metrics import LEADER
 from xds_server.config.schema import KubernetesCoordinationConfig
 from xds_server.control.discovery.kubernetes import make_api_client
 
 log = logging.getLogger("trimtab.leader")
 
-LEADER = Gauge("trimtab_leader", "1 while this replica holds the rollout Lease (leads)",
-               ["identity"])
 LEASE_API_VERSION = "coordination.k8s.io/v1"
 HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
 # What a failed API call raises: the API's error Status, or the transport's (timeouts,

@@ -7,8 +7,7 @@ import logging
 from collections.abc import Mapping
 from pathlib import Path
 
-from prometheus_client import Counter, Gauge
-
+from xds_server.admin.metrics import ROLLOUT_EVENTS, ROLLOUT_PERCENT
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.rollouts import machine as rollout
@@ -17,11 +16,6 @@ from xds_server.control.slo import SloTracker
 
 log = logging.getLogger("trimtab.rollout")
 
-ROLLOUT_PERCENT = Gauge("trimtab_rollout_canary_percent", "Traffic share of a pool's canary",
-                        ["pool"])
-ROLLOUT_EVENTS = Counter("trimtab_rollout_events_total",
-                         "Rollout steps, rollbacks, promotions and operator commands",
-                         ["pool", "kind"])
 
 
 class RolloutPersistError(RuntimeError):
