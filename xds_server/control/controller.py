@@ -288,7 +288,7 @@ class Controller:
         if result.signals is not None:
             self.slo.record(address, result.collected_at, result.slo)
             clean, rejected = screen_signals(result.signals)
-            self.latency.record(address, result.collected_at, clean)
+            self.latency.record(address, result.collected_at, result.itl)
             self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)
         self.store.record(address, result)

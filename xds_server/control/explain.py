@@ -96,7 +96,7 @@ def render_table(rows: list[dict[str, Any]], notes: list[str] | None = None) -> 
 
 
 def _has_itl_histogram(results: Mapping[str, ScrapeResult]) -> bool:
-    return any(r.signals is not None and "itl_count" in r.signals and "itl_ms" not in r.signals
+    return any(r.signals is not None and r.itl is not None and "itl_ms" not in r.signals
                for r in results.values())
 
 

@@ -33,7 +33,7 @@ from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.histories import HistogramHistory
-from xds_server.telemetry.reading import histogram_from_signals
+from xds_server.telemetry.reading import HistogramState
 
 
 def gpu_memory_policy(config: Config) -> GpuMemoryPolicy:
@@ -61,13 +61,12 @@ def queueing_policy(config: Config, pool: PoolConfig | None = None) -> QueueingP
 
 
 class LatencyWindow:
-    """Windowed mean ITL per endpoint from cumulative ``itl_sum``/``itl_count`` signals."""
+    """Windowed mean ITL per endpoint from its reads' cumulative ITL histograms."""
 
     def __init__(self, window_s: float) -> None:
         self.history = HistogramHistory(window_s, max_samples=256)
 
-    def record(self, address: str, at: float, signals: Mapping[str, float]) -> None:
-        state = histogram_from_signals(signals, "itl")
+    def record(self, address: str, at: float, state: HistogramState | None) -> None:
         if state is not None:
             self.history.record(address, at, state)
 

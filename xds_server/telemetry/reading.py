@@ -103,16 +103,9 @@ class PageReading:
     slo: SloCounters | None = None  # read only when a rollout gate needs it
 
     def signals(self) -> dict[str, float]:
-        """Flat ``name -> value`` view for :class:`~weight_calculator.types.Sample`.
-
-        Histograms appear as ``<name>_sum`` / ``<name>_count`` (seconds / observations);
-        rebuild them with :func:`histogram_from_signals`.
-        """
-        out = {name: value for name in _GAUGES if (value := getattr(self, name)) is not None}
-        for name, state in self.histograms.items():
-            out[f"{name}_sum"] = state.sum
-            out[f"{name}_count"] = state.count
-        return out
+        """The gauges and counters present, as ``name -> value`` for
+        :class:`~weight_calculator.types.Sample`; histograms stay typed (``histograms``)."""
+        return {name: value for name in _GAUGES if (value := getattr(self, name)) is not None}
 
 
 COUNTERS = frozenset({"requests_done", "prompt_tokens", "generation_tokens"})  # not load
@@ -128,14 +121,6 @@ _GAUGES = (
     "prompt_tokens",
     "generation_tokens",
 )
-
-
-def histogram_from_signals(signals: Mapping[str, float], name: str) -> HistogramState | None:
-    """The :class:`HistogramState` stored by :meth:`PageReading.signals`, or ``None``."""
-    total, count = signals.get(f"{name}_sum"), signals.get(f"{name}_count")
-    if total is None or count is None:
-        return None
-    return HistogramState(sum=total, count=count)
 
 
 # Valid range of each normalised signal (inclusive); histogram ``_sum``/``_count`` are >= 0

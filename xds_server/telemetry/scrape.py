@@ -18,7 +18,7 @@ from xds_server.telemetry.bounds import (
     refuse_unparsed,
 )
 from xds_server.telemetry.parsers.page import page_signals
-from xds_server.telemetry.reading import SloCounters
+from xds_server.telemetry.reading import HistogramState, SloCounters
 from xds_server.telemetry.worker import off_loop
 
 
@@ -36,6 +36,7 @@ class ScrapeResult:
     collected_at: float
     problems: tuple[str, ...] = ()
     slo: SloCounters | None = None  # the canary gates' counters, when a rollout reads them
+    itl: HistogramState | None = None  # the cumulative ITL histogram, when the page has one
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,7 @@ class ParsedPage:
     signals: dict[str, float]
     problems: tuple[str, ...] = ()
     slo: SloCounters | None = None
+    itl: HistogramState | None = None
 
 
 PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
@@ -147,7 +149,8 @@ class Scraper:
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
-            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo)
+            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo,
+                                parsed.itl)
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:

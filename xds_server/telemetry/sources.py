@@ -46,7 +46,8 @@ def page_parser(gpu: str | None, uuid: str | None, with_slo: bool
                 ) -> Callable[[str], ParsedPage]:
     def parse(text: str) -> ParsedPage:
         reading = parse_page(text, gpu=gpu, uuid=uuid, with_slo=with_slo)
-        return ParsedPage(reading.signals(), reading.problems, reading.slo)
+        return ParsedPage(reading.signals(), reading.problems, reading.slo,
+                          reading.histograms.get("itl"))
     return parse
 
 

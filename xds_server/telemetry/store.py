@@ -15,15 +15,16 @@ LOAD_SIGNALS = ("kv_usage", "gpu_mem_pct", "queue", "itl_ms")
 _REJECTED_AS = {"itl": "itl_ms"}  # the ITL histogram feeds itl_ms
 
 
-def rejected_load_signals(problems: Iterable[str], signals: Mapping[str, float]
-                          ) -> tuple[str, ...]:
-    """Load signals named by ``problems`` (``"<signal>: ..."``) and absent from ``signals``."""
+def rejected_load_signals(problems: Iterable[str], signals: Mapping[str, float],
+                          has_itl: bool = False) -> tuple[str, ...]:
+    """Load signals named by ``problems`` (``"<signal>: ..."``) and absent from ``signals``;
+    ``itl_ms`` not when the read carried an ITL histogram (the latency window has it)."""
     found: list[str] = []
     for line in problems:
         head = line.split(":", 1)[0].strip()
         name = _REJECTED_AS.get(head, head)
         if name in LOAD_SIGNALS and name not in signals and name not in found:
-            if name == "itl_ms" and "itl_sum" in signals:
+            if name == "itl_ms" and has_itl:
                 continue
             found.append(name)
     return tuple(found)
@@ -98,11 +99,11 @@ class TelemetryStore:
         for name in LOAD_SIGNALS:
             if name in signals:
                 good_at[name], good_value[name] = at, signals[name]
-            elif name == "itl_ms" and "itl_sum" in signals:
+            elif name == "itl_ms" and result.itl is not None:
                 good_at[name], good_value[name] = at, None  # the latency window has it
         problems = list(result.problems)
         saturated: list[str] = []
-        for name in rejected_load_signals(result.problems, signals):
+        for name in rejected_load_signals(result.problems, signals, result.itl is not None):
             last_at = good_at.get(name)
             if last_at is not None and at - last_at <= self.hold_seconds:
                 last = good_value[name]
