@@ -176,8 +176,11 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request: every message gets its answer."""
 
     def __init__(self, classifier: Classifier, limits: ClassifierConfig) -> None:
-        self.classifier = classifier
-        self.limits = limits
+        self.rules: tuple[Classifier, ClassifierConfig] = (classifier, limits)
+
+    def update(self, classifier: Classifier, limits: ClassifierConfig) -> None:
+        """New rules and bounds for the next body (one assignment: a body sees old or new)."""
+        self.rules = (classifier, limits)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ext_proc.ProcessingResponse]:
@@ -185,7 +188,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             kind = request.WhichOneof("request")
             if kind == "request_body":
                 started = time.perf_counter()
-                tier = decide(self.classifier, request.request_body.body, self.limits)
+                classifier, limits = self.rules
+                tier = decide(classifier, request.request_body.body, limits)
                 DECISION_SECONDS.observe(time.perf_counter() - started)
                 DECISIONS.labels(tier or DEFAULT_TIER).inc()
                 yield tier_response(tier)
@@ -193,16 +197,22 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
                 yield _EMPTY[kind]()
 
 
-async def serve_classifier(limits: ClassifierConfig, classifier: Classifier,
-                           stop: asyncio.Event) -> None:
-    where = parse_host_port(limits.address)
+def build_server(service: ExtProcService, address: str) -> tuple[grpc.aio.Server, int]:
+    """The classifier's gRPC server bound to `address` (not started) and its port. Raises
+    OSError or RuntimeError (grpcio) when the address cannot be bound."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 9 * 1024 * 1024),  # Envoy's buffer limit + slack
         ("grpc.max_concurrent_streams", 10_000)])
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcService(classifier, limits),
-                                                          server)
-    if server.add_insecure_port(str(where)) == 0:
-        raise OSError(f"cannot listen on {limits.address}")
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
+    port = server.add_insecure_port(str(parse_host_port(address)))
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, port
+
+
+async def serve_classifier(limits: ClassifierConfig, classifier: Classifier,
+                           stop: asyncio.Event) -> None:
+    server, _ = build_server(ExtProcService(classifier, limits), limits.address)
     await server.start()
     log.info("classifier listening on %s (%d rules)", limits.address, len(limits.rules))
     try:
