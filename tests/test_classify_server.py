@@ -1,6 +1,7 @@
 """The classifier `trimtab serve` runs itself (xds_server/classify_server.py): it starts only
-for pools with tiers, answers on its own thread and loop, takes new rules on reload, refuses a
-new address while it runs, and a bind failure names classifier.address. Through a real Envoy:
+for pools with tiers, answers from its own process whatever trimtab's loop is doing, takes new
+rules on reload, refuses a new address while it runs, is started again when it dies, never
+outlives trimtab, and a bind failure names classifier.address. Through a real Envoy:
 tests/integration/test_classifier_embedded_e2e.py."""
 
 from __future__ import annotations
@@ -247,5 +248,75 @@ def test_a_bind_failure_the_probe_missed_is_cannot_listen_too(
             assert not classifier.running
             return str(caught.value)
 
-        assert asyncio.run(scenario()).startswith(
-            f"cannot listen on classifier.address 127.0.0.1:{port}: ")
+        assert asyncio.run(scenario()) == (f"cannot listen on classifier.address "
+                                           f"127.0.0.1:{port}: address in use")
+
+
+def _metric(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_a_classifier_that_dies_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    import xds_server.classify_server as embedded
+
+    monkeypatch.setattr(embedded, "RESTART_AFTER_S", 0.1)
+    port = free_port()
+
+    async def scenario() -> None:
+        classifier = EmbeddedClassifier()
+        await classifier.start(_config(port))
+        try:
+            restarts = _metric("trimtab_classifier_embedded_restarts_total")
+            child = classifier._child
+            assert child is not None and child._proc is not None
+            child._proc.kill()  # a crash
+            for _ in range(200):
+                if _metric("trimtab_classifier_embedded_restarts_total") > restarts:
+                    break
+                await asyncio.sleep(0.05)
+            assert _metric("trimtab_classifier_embedded_restarts_total") == restarts + 1
+            assert _metric("trimtab_classifier_embedded_up") == 1.0
+            assert await asyncio.to_thread(tier_of, port, "python please") == "code"
+        finally:
+            await classifier.close()
+        assert _metric("trimtab_classifier_embedded_up") == 0.0
+
+    asyncio.run(scenario())
+
+
+PARENT = """
+import asyncio, os, signal, sys
+from xds_server.classify_server import EmbeddedClassifier
+from xds_server.config.load import parse_config
+import json
+config = parse_config(json.loads(sys.argv[1]))
+async def main():
+    classifier = EmbeddedClassifier()
+    await classifier.start(config)
+    print(classifier._child._proc.pid, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)  # no clean-up of any kind
+asyncio.run(main())
+"""
+
+
+def test_the_classifier_never_outlives_a_killed_trimtab() -> None:
+    port = free_port()
+    parent = subprocess.run([sys.executable, "-c", PARENT, json.dumps(_document(port))],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert parent.returncode == -9, parent.stderr
+    child = int(parent.stdout.split()[0])
+    deadline = time.monotonic() + 10
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(child), "the classifier outlived its trimtab"
+    assert _refuses_connections(port)
+
+
+def _running(pid: int) -> bool:
+    """True while `pid` exists and has not exited (a zombie waits for init to reap it)."""
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except FileNotFoundError:
+        return False

@@ -1,41 +1,62 @@
-"""The intent classifier inside `trimtab serve` (``classifier.embedded``, the default).
+"""The intent classifier run by `trimtab serve` itself (``classifier.embedded``, the default).
 
-When a pool enables ``intent_tiers``, `trimtab serve` runs the ext_proc service of
-`xds_server.classify` on ``classifier.address`` itself, so there is no second process to
-deploy. The service has its own thread and its own event loop: a tick, a scrape or an xDS push
-on the main loop never delays a classification (only the GIL is shared).
+When a pool enables ``intent_tiers``, `trimtab serve` starts the ext_proc service of
+`xds_server.classify` on ``classifier.address`` as its own child process (``python -m
+xds_server.classify_server``), so there is nothing else to deploy. A child, not a thread: a
+tick holds the GIL for tens of milliseconds at fleet scale, and a classifier thread in the same
+interpreter waited that long for it (measured: +27 ms p99 beside a 100-endpoint tick, past
+the 50 ms ``message_timeout`` beside a 500-endpoint one; benchmarks/classifier_serve.py), so
+ticks, scrapes and pushes never delay a classification now.
+
+Parent and child talk over the child's stdin/stdout, one JSON object a line: the parent sends
+``{"limits": <classifier config>}`` (first: start; later: new rules from a reload), the child
+answers ``{"listening": port}`` or ``{"error": reason}``, then ``{"applied": rules}`` per
+update. The child exits when its stdin closes, so it never outlives trimtab (not even a
+SIGKILLed one); it ignores SIGINT (a terminal's Ctrl-C reaches the whole process group, and
+trimtab stops it in order).
 
 * Start: a bind failure raises `CannotListen` naming ``classifier.address`` (`trimtab serve`
   exits 2 with that line).
-* Reload (SIGHUP): new rules and bounds apply to the running service from the next body; a
-  changed ``classifier.address`` while it runs is refused (restart to apply it); a reload that
-  turns tiers on starts it (refused if the address cannot be bound), one that turns them off
-  (or sets ``embedded: false``) stops it.
-* `EMBEDDED_UP` is 1 while it serves. Its decisions are counted by the metrics of
-  `xds_server.classify` on trimtab's own ``/metrics``; Envoy counts the fail-open cases.
+* Reload (SIGHUP): new rules and bounds apply from the child's next body; a changed
+  ``classifier.address`` while it runs is refused; a reload that turns tiers on starts it
+  (refused if the address cannot be bound), one that turns them off (or sets ``embedded:
+  false``) stops it.
+* A child that dies is started again (after `RESTART_AFTER_S`); meanwhile Envoy fails open.
+  `UP` is 1 while it serves, `RESTARTS` counts restarts. Its decisions are counted by the
+  metrics of `xds_server.classify` inside the child: set ``classifier.metrics_address`` to
+  serve them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
+import queue
+import signal
+import subprocess
+import sys
 import threading
+from typing import IO, Any
 
-import grpc
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge, start_http_server
 
-from xds_server.classify import ExtProcService, RulesClassifier, build_server
+from xds_server.config.addresses import parse_host_port
 from xds_server.config.schema import ClassifierConfig, Config
 from xds_server.envoy.request_features import classifier_used
-from xds_server.listen import CannotListen, cannot_listen, check_bindable
+from xds_server.listen import CannotListen, cannot_listen, check_bindable, reason_for
 
 log = logging.getLogger("trimtab.classify")
 
-EMBEDDED_UP = Gauge("trimtab_classifier_embedded_up",
-                    "1 while trimtab serve runs the intent classifier itself")
-START_TIMEOUT_S = 10.0
-STOP_GRACE_S = 1.0
+UP = Gauge("trimtab_classifier_embedded_up",
+           "1 while the classifier trimtab serve runs itself is serving")
+RESTARTS = Counter("trimtab_classifier_embedded_restarts_total",
+                   "Times trimtab serve started its classifier again after it died")
+START_TIMEOUT_S = 20.0  # the child imports grpc and the Envoy protos first
+ANSWER_TIMEOUT_S = 5.0
+STOP_TIMEOUT_S = 5.0
+RESTART_AFTER_S = 1.0
 KEY = "classifier.address"
 
 
@@ -47,101 +68,138 @@ def embedded_limits(config: Config) -> ClassifierConfig | None:
     return limits
 
 
-class _Runner:
-    """One gRPC server on its own thread and event loop, from `start()` to `stop()`."""
+def _line(limits: ClassifierConfig) -> bytes:
+    return (json.dumps({"limits": limits.model_dump(mode="json")}) + "\n").encode()
+
+
+class _Child:
+    """One classifier process, from `start()` (blocking) to `stop()` (blocking)."""
 
     def __init__(self, limits: ClassifierConfig) -> None:
         self.address = limits.address
-        self.service = ExtProcService(RulesClassifier(limits.rules), limits)
         self.port = 0
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop: asyncio.Event | None = None
-        self._started = threading.Event()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._main, name="trimtab-classifier",
-                                        daemon=True)
+        self._first = limits
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._answers: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self._lock = threading.Lock()  # one request/answer exchange at a time
 
     def start(self) -> None:
-        """Bind and serve; raise CannotListen when `address` cannot be bound."""
+        """Spawn, bind and serve; raise CannotListen when `address` cannot be bound."""
         try:
             check_bindable(self.address)
         except CannotListen as exc:
             raise CannotListen(f"{KEY} {self.address}", exc.reason) from None
-        self._thread.start()
-        if not self._started.wait(START_TIMEOUT_S):
+        self._proc = subprocess.Popen([sys.executable, "-m", "xds_server.classify_server"],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        threading.Thread(target=self._read, args=(self._proc.stdout,), daemon=True,
+                         name="trimtab-classifier-answers").start()
+        answer = self._ask(self._first, START_TIMEOUT_S)
+        if answer is None or "listening" not in answer:
             self.stop()
-            raise CannotListen(f"{KEY} {self.address}", "the classifier did not start")
-        if self._error is not None:
-            self._thread.join(START_TIMEOUT_S)
-            found = cannot_listen(self.address, self._error)
-            raise CannotListen(f"{KEY} {self.address}", found.reason)
+            reason = (answer or {}).get("error", "the classifier did not start")
+            raise CannotListen(f"{KEY} {self.address}", str(reason))
+        self.port = int(answer["listening"])
 
-    def _main(self) -> None:
-        loop = asyncio.new_event_loop()
-        try:
-            loop.run_until_complete(self._serve(loop))
-        except BaseException as exc:  # noqa: BLE001 - reported to start() or logged
-            if not self._started.is_set():
-                self._error = exc
-            else:
-                log.exception("the embedded classifier stopped")
-        finally:
-            EMBEDDED_UP.set(0)
-            self._started.set()
-            loop.close()
+    def _read(self, stream: IO[bytes] | None) -> None:
+        assert stream is not None
+        for raw in stream:
+            with contextlib.suppress(ValueError):
+                self._answers.put(json.loads(raw))
+        self._answers.put(None)  # the child is gone
 
-    async def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
-        server: grpc.aio.Server | None = None
-        stop = asyncio.Event()
-        try:
-            server, self.port = build_server(self.service, self.address)
-            await server.start()
-            self._loop, self._stop = loop, stop
-            EMBEDDED_UP.set(1)
-            self._started.set()
-            await stop.wait()
-        finally:
-            if server is not None:
-                await server.stop(STOP_GRACE_S)
+    def _ask(self, limits: ClassifierConfig, timeout: float) -> dict[str, Any] | None:
+        with self._lock:
+            if self._proc is None or self._proc.stdin is None:
+                return None
+            try:
+                self._proc.stdin.write(_line(limits))
+                self._proc.stdin.flush()
+                return self._answers.get(timeout=timeout)
+            except (OSError, queue.Empty):
+                return None
+
+    def update(self, limits: ClassifierConfig) -> bool:
+        answer = self._ask(limits, ANSWER_TIMEOUT_S)
+        return answer is not None and "applied" in answer
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def stop(self) -> None:
-        """Stop serving and join the thread (blocking: call it off the main loop)."""
-        loop, stop = self._loop, self._stop
-        if loop is not None and stop is not None and not loop.is_closed():
-            with contextlib.suppress(RuntimeError):  # the loop closed in between
-                loop.call_soon_threadsafe(stop.set)
-        if self._thread.is_alive():
-            self._thread.join(START_TIMEOUT_S + STOP_GRACE_S)
+        """Close its stdin (it exits), then SIGTERM, then SIGKILL; always reaped."""
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        with contextlib.suppress(OSError):
+            assert proc.stdin is not None
+            proc.stdin.close()
+        for step in (None, signal.SIGTERM, signal.SIGKILL):
+            if step is not None and proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(step)
+            try:
+                proc.wait(STOP_TIMEOUT_S)
+                break
+            except subprocess.TimeoutExpired:
+                continue
 
 
 class EmbeddedClassifier:
     """`trimtab serve`'s classifier: runs while the config wants one (see `embedded_limits`)."""
 
     def __init__(self) -> None:
-        self._runner: _Runner | None = None
+        self._child: _Child | None = None
+        self._limits: ClassifierConfig | None = None
+        self._watch: asyncio.Task[None] | None = None
 
     @property
     def running(self) -> bool:
-        return self._runner is not None
+        return self._child is not None
 
     @property
     def port(self) -> int | None:
-        return self._runner.port if self._runner is not None else None
+        return self._child.port if self._child is not None else None
 
     async def start(self, config: Config) -> None:
         limits = embedded_limits(config)
-        if limits is not None and self._runner is None:
-            runner = _Runner(limits)
-            await asyncio.to_thread(runner.start)
-            self._runner = runner
-            log.info("classifier listening on %s (embedded, %d rules)", limits.address,
-                     len(limits.rules))
+        if limits is None or self._child is not None:
+            return
+        child = _Child(limits)
+        await asyncio.to_thread(child.start)
+        self._child, self._limits = child, limits
+        UP.set(1)
+        self._watch = asyncio.create_task(self._restart_when_dead())
+        log.info("classifier listening on %s (embedded, %d rules)", limits.address,
+                 len(limits.rules))
+
+    async def _restart_when_dead(self) -> None:
+        while True:
+            await asyncio.sleep(RESTART_AFTER_S)
+            child, limits = self._child, self._limits
+            if child is None or limits is None or child.alive():
+                continue
+            UP.set(0)
+            log.error("the embedded classifier exited; starting it again (Envoy fails "
+                      "open meanwhile)")
+            await asyncio.to_thread(child.stop)
+            fresh = _Child(limits)
+            try:
+                await asyncio.to_thread(fresh.start)
+            except CannotListen as exc:
+                log.error("cannot start the embedded classifier again: %s", exc)
+                continue
+            if self._child is child:
+                self._child = fresh
+                RESTARTS.inc()
+                UP.set(1)
+            else:  # closed or replaced meanwhile
+                await asyncio.to_thread(fresh.stop)
 
     async def reload(self, config: Config) -> list[tuple[str, str]]:
         """Apply `config` to the classifier, or change nothing and return why (key, reason)."""
         limits = embedded_limits(config)
-        runner = self._runner
-        if runner is None:
+        child = self._child
+        if child is None:
             try:
                 await self.start(config)
             except CannotListen as exc:
@@ -149,17 +207,86 @@ class EmbeddedClassifier:
             return []
         if limits is None:
             await self.close()
-            log.info("embedded classifier stopped: no pool of the new config takes the hop "
-                     "to it")
+            log.info("embedded classifier stopped: the new config sends no request to it")
             return []
-        if limits.address != runner.address:
+        if limits.address != child.address:
             return [(KEY, f"cannot change while the embedded classifier listens on "
-                          f"{runner.address}; restart trimtab to apply it")]
-        runner.service.update(RulesClassifier(limits.rules), limits)
-        log.info("embedded classifier: %d rules applied", len(limits.rules))
+                          f"{child.address}; restart trimtab to apply it")]
+        self._limits = limits  # what a restart uses, whatever the answer
+        if await asyncio.to_thread(child.update, limits):
+            log.info("embedded classifier: %d rules applied", len(limits.rules))
+        else:
+            log.error("the embedded classifier did not confirm the new rules; it is started "
+                      "again with them if it died")
         return []
 
     async def close(self) -> None:
-        runner, self._runner = self._runner, None
-        if runner is not None:
-            await asyncio.to_thread(runner.stop)
+        UP.set(0)  # first: it stops serving now
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        child, self._child = self._child, None
+        if child is not None:
+            await asyncio.to_thread(child.stop)
+
+
+# -- the child process ------------------------------------------------------------------------
+
+
+def _say(message: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
+
+
+async def _serve_child(limits: ClassifierConfig) -> int:
+    from xds_server.classify import ExtProcService, RulesClassifier, build_server
+
+    service = ExtProcService(RulesClassifier(limits.rules), limits)
+    try:
+        server, port = build_server(service, limits.address)
+        await server.start()
+    except (OSError, RuntimeError) as exc:  # grpcio: RuntimeError
+        _say({"error": cannot_listen(limits.address, exc).reason})
+        return 1
+    _say({"listening": port})
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, done.set)
+
+    def apply(new: ClassifierConfig) -> None:
+        service.update(RulesClassifier(new.rules), new)
+        _say({"applied": len(new.rules)})
+
+    def read() -> None:  # the parent's updates; EOF: the parent is gone or done with us
+        for raw in sys.stdin:
+            new = ClassifierConfig.model_validate(json.loads(raw)["limits"])
+            loop.call_soon_threadsafe(apply, new)
+        loop.call_soon_threadsafe(done.set)
+
+    threading.Thread(target=read, daemon=True, name="parent").start()
+    await done.wait()
+    await server.stop(1.0)
+    return 0
+
+
+def child_main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # trimtab stops us (stdin closes)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s trimtab.classify: %(message)s")
+    first = sys.stdin.readline()
+    if not first:
+        return 0
+    limits = ClassifierConfig.model_validate(json.loads(first)["limits"])
+    if limits.metrics_address is not None:
+        where = parse_host_port(limits.metrics_address)
+        try:
+            start_http_server(where.port, where.host)
+        except OSError as exc:
+            log.error("classifier.metrics_address %s: %s; no metrics page",
+                      limits.metrics_address, reason_for(exc))
+    return asyncio.run(_serve_child(limits))
+
+
+if __name__ == "__main__":
+    sys.exit(child_main())
