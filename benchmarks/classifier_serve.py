@@ -20,6 +20,9 @@ order; the summary is the median and [min..max] over rounds. Writes
 ``benchmarks/results/classifier_serve.json``.
 
     .venv/bin/python benchmarks/classifier_serve.py [--seconds 10] [--rounds 3] [--rate 200]
+
+``--serve-pythonpath DIR`` runs trimtab serve from another checkout's ``xds_server`` (e.g. the
+thread-based embedded classifier of commit 9ea632c, for the comparison in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -117,7 +120,7 @@ def _wait_serve(admin: int, proc: subprocess.Popen[bytes], log: Path) -> None:
 
 
 def run_variant(variant: str, rate: float, seconds: float, endpoints: int, interval: float,
-                workdir: Path, seed: int) -> dict[str, Any]:
+                workdir: Path, seed: int, pythonpath: str | None = None) -> dict[str, Any]:
     ports = {n: free_port() for n in ("envoy_admin", "listen", "upstream", "classifier", "xds",
                                       "admin")}
     telemetry = workdir / f"{variant}-telemetry.json"
@@ -142,7 +145,9 @@ def run_variant(variant: str, rate: float, seconds: float, endpoints: int, inter
     with serve_log.open("ab") as log:
         serve = subprocess.Popen([sys.executable, "-m", "xds_server.cli", "--log-level",
                                   "warning", "serve", "--config", str(config_path)],
-                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
+                                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                 env={**os.environ, "PYTHONPATH": pythonpath}
+                                 if pythonpath else None)
     envoy_log = workdir / f"{variant}-envoy.log"
     envoy = subprocess.Popen([envoy_binary(), "-c", str(envoy_path), "--disable-hot-restart",
                               "--concurrency", "1", "-l", "warning", "--log-path", str(envoy_log),
@@ -211,12 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--rate", type=float, default=200.0)
-    parser.add_argument("--endpoints", type=int, default=500,
+    parser.add_argument("--endpoints", type=int, default=200,
                         help="endpoints of the fleet pool trimtab serve ticks over")
-    parser.add_argument("--interval", type=float, default=0.5,
+    parser.add_argument("--interval", type=float, default=1.0,
                         help="trimtab serve's telemetry interval (s)")
     parser.add_argument("--variant", action="append", choices=VARIANTS,
                         help="run only these (serve-baseline is always added)")
+    parser.add_argument("--serve-pythonpath", metavar="DIR",
+                        help="run trimtab serve with this PYTHONPATH (another checkout)")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     chosen = ["serve-baseline", *[v for v in VARIANTS[1:]
@@ -228,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             results = {}
             for variant in order:
                 r = run_variant(variant, args.rate, args.seconds, args.endpoints, args.interval,
-                                Path(tmp), seed=index)
+                                Path(tmp), seed=index, pythonpath=args.serve_pythonpath)
                 results[variant] = r
                 ticks = r["serve"].get("trimtab_tick_duration_seconds_count", 0)
                 print(f"round {index + 1} {variant:16s} Envoy added p50 "
@@ -256,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     document = {"benchmark": "classifier_serve", "rate": args.rate, "seconds": args.seconds,
                 "rounds_count": args.rounds, "endpoints": args.endpoints,
-                "interval_s": args.interval,
+                "interval_s": args.interval, "serve_pythonpath": args.serve_pythonpath,
                 "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                             "loadavg": list(os.getloadavg())},
                 "summary": summary, "rounds": rounds}
