@@ -21,8 +21,9 @@ order; the summary is the median and [min..max] over rounds. Writes
 
     .venv/bin/python benchmarks/classifier_serve.py [--seconds 10] [--rounds 3] [--rate 200]
 
-``--serve-pythonpath DIR`` runs trimtab serve from another checkout's ``xds_server`` (e.g. the
-thread-based embedded classifier of commit 9ea632c, for the comparison in docs/benchmarks.md).
+``--alt-pythonpath DIR`` adds ``serve-classifier-alt``: ``serve-classifier`` with trimtab serve
+run from another checkout's ``xds_server`` (``PYTHONPATH=DIR``), in the same rounds: e.g. the
+thread-based embedded classifier of commit 9ea632c, for the comparison in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ from trimtab_dev.envoy_process import envoy_binary, free_port  # noqa: E402
 from xds_server.config.load import parse_config  # noqa: E402
 
 RESULTS = Path(__file__).resolve().parent / "results" / "classifier_serve.json"
-VARIANTS = ["serve-baseline", "serve-classifier", "serve-outage"]
+VARIANTS = ["serve-baseline", "serve-classifier", "serve-outage", "serve-classifier-alt"]
 FLEET_MODEL = "m-fleet"
 
 
@@ -82,7 +83,7 @@ def write_telemetry(path: Path, addresses: list[str], rng: random.Random) -> Non
 def serve_document(variant: str, ports: dict[str, int], telemetry: Path, endpoints: int,
                    interval: float) -> tuple[dict[str, Any], dict[str, Any]]:
     """(trimtab serve's config, the same without the fleet pool for Envoy's bootstrap)."""
-    kind = "baseline" if variant == "serve-baseline" else "classifier"
+    kind = "baseline" if variant == "serve-baseline" else "classifier"  # -alt, -outage too
     envoy_config = variant_config(kind, f"127.0.0.1:{ports['upstream']}", ports["classifier"])
     envoy_doc = envoy_config.model_dump(mode="json", exclude_none=True)
     serve = json.loads(json.dumps(envoy_doc))
@@ -220,14 +221,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="endpoints of the fleet pool trimtab serve ticks over")
     parser.add_argument("--interval", type=float, default=1.0,
                         help="trimtab serve's telemetry interval (s)")
-    parser.add_argument("--variant", action="append", choices=VARIANTS,
+    parser.add_argument("--variant", action="append", choices=VARIANTS[1:3],
                         help="run only these (serve-baseline is always added)")
-    parser.add_argument("--serve-pythonpath", metavar="DIR",
-                        help="run trimtab serve with this PYTHONPATH (another checkout)")
+    parser.add_argument("--alt-pythonpath", metavar="DIR",
+                        help="also run serve-classifier-alt: trimtab serve with PYTHONPATH=DIR")
     parser.add_argument("--output", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    chosen = ["serve-baseline", *[v for v in VARIANTS[1:]
+    chosen = ["serve-baseline", *[v for v in VARIANTS[1:3]
                                   if not args.variant or v in args.variant]]
+    if args.alt_pythonpath:
+        chosen.append("serve-classifier-alt")
     rounds: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory(prefix="trimtab-classifier-serve-") as tmp:
         for index in range(args.rounds):
@@ -235,7 +238,8 @@ def main(argv: list[str] | None = None) -> int:
             results = {}
             for variant in order:
                 r = run_variant(variant, args.rate, args.seconds, args.endpoints, args.interval,
-                                Path(tmp), seed=index, pythonpath=args.serve_pythonpath)
+                                Path(tmp), seed=index, pythonpath=args.alt_pythonpath
+                                if variant.endswith("-alt") else None)
                 results[variant] = r
                 ticks = r["serve"].get("trimtab_tick_duration_seconds_count", 0)
                 print(f"round {index + 1} {variant:16s} Envoy added p50 "
@@ -263,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     document = {"benchmark": "classifier_serve", "rate": args.rate, "seconds": args.seconds,
                 "rounds_count": args.rounds, "endpoints": args.endpoints,
-                "interval_s": args.interval, "serve_pythonpath": args.serve_pythonpath,
+                "interval_s": args.interval, "alt_pythonpath": args.alt_pythonpath,
                 "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                             "loadavg": list(os.getloadavg())},
                 "summary": summary, "rounds": rounds}
