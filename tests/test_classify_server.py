@@ -82,6 +82,7 @@ def test_it_runs_only_for_pools_with_tiers_and_only_when_embedded() -> None:
     assert asyncio.run(scenario()) == [False, False]
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_it_classifies_on_its_own_loop_while_the_main_loop_is_blocked() -> None:
     port = free_port()
 
@@ -109,6 +110,7 @@ def test_it_classifies_on_its_own_loop_while_the_main_loop_is_blocked() -> None:
     assert _refuses_connections(port)  # closed: stopped and joined
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_reload_applies_new_rules_refuses_a_new_address_and_stops_without_tiers() -> None:
     port = free_port()
 
@@ -137,6 +139,7 @@ def test_reload_applies_new_rules_refuses_a_new_address_and_stops_without_tiers(
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_an_address_in_use_is_cannot_listen_naming_the_key() -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -165,6 +168,7 @@ def test_an_address_in_use_is_cannot_listen_naming_the_key() -> None:
                                                    "address in use")]
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_serve_exits_2_with_one_line_when_the_classifier_cannot_bind(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -196,6 +200,7 @@ def test_the_classifier_cluster_dials_the_embedded_classifier() -> None:
     assert dialed(envoy_address="10.0.0.7:9000") == ("10.0.0.7", 9000)
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_trimtab_reload_refuses_moving_the_running_classifier(tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture
                                                               ) -> None:
@@ -231,6 +236,7 @@ def test_trimtab_reload_refuses_moving_the_running_classifier(tmp_path: Path,
     assert _refuses_connections(port)  # close() stopped it
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_a_bind_failure_the_probe_missed_is_cannot_listen_too(
         monkeypatch: pytest.MonkeyPatch) -> None:
     import xds_server.classify_server as embedded
@@ -258,6 +264,7 @@ def _metric(name: str) -> float:
     return REGISTRY.get_sample_value(name) or 0.0
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_a_classifier_that_dies_is_started_again(monkeypatch: pytest.MonkeyPatch) -> None:
     import xds_server.classify_server as embedded
 
@@ -301,6 +308,7 @@ asyncio.run(main())
 """
 
 
+@pytest.mark.slow  # starts the classifier process
 def test_the_classifier_never_outlives_a_killed_trimtab() -> None:
     port = free_port()
     parent = subprocess.run([sys.executable, "-c", PARENT, json.dumps(_document(port))],
