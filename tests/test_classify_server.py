@@ -26,7 +26,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_gr
 from trimtab_dev.envoy_process import free_port
 from xds_server.app import Trimtab
 from xds_server.classify_server import EmbeddedClassifier
-from xds_server.config.load import parse_config
+from xds_server.config.load import ConfigError, parse_config
 from xds_server.config.schema import Config
 from xds_server.envoy.request_features import CLASSIFIER_CLUSTER, extra_clusters
 from xds_server.listen import CannotListen
@@ -296,7 +296,7 @@ def test_a_classifier_that_dies_is_started_again(monkeypatch: pytest.MonkeyPatch
 PARENT = """
 import asyncio, os, signal, sys
 from xds_server.classify_server import EmbeddedClassifier
-from xds_server.config.load import parse_config
+from xds_server.config.load import ConfigError, parse_config
 import json
 config = parse_config(json.loads(sys.argv[1]))
 async def main():
@@ -328,3 +328,59 @@ def _running(pid: int) -> bool:
         return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
     except FileNotFoundError:
         return False
+
+
+LEARNED = {"learned": "tests.support.learned_classifier:make", "learned_tiers": ["fp"]}
+
+
+def _learned_document(port: int, **classifier: Any) -> dict[str, Any]:
+    document = _document(port, **{**LEARNED, **classifier})
+    document["pools"][0]["intent_tiers"] = {"code": "code", "fp": "code"}
+    return document
+
+
+@pytest.mark.slow  # starts the classifier process
+def test_a_learned_classifier_answers_what_no_rule_matches_in_the_child() -> None:
+    port = free_port()
+
+    async def scenario() -> None:
+        classifier = EmbeddedClassifier()
+        await classifier.start(parse_config(_learned_document(port)))
+        try:
+            assert await asyncio.to_thread(tier_of, port, "python please") == "code"  # a rule
+            assert await asyncio.to_thread(tier_of, port, "Haskell please") == "fp"  # learned
+            assert await asyncio.to_thread(tier_of, port, "a crash, then?") is None  # its error
+            problems = await classifier.reload(parse_config(_learned_document(
+                port, learned="tests.support.learned_classifier:broken")))
+            assert problems and problems[0][0] == "classifier.learned"
+            assert "weights not found" in problems[0][1]
+            assert await asyncio.to_thread(tier_of, port, "Haskell please") == "fp"  # kept
+        finally:
+            await classifier.close()
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.slow  # starts trimtab serve and its classifier process
+def test_serve_exits_2_naming_a_learned_classifier_that_cannot_load(tmp_path: Path) -> None:
+    path = tmp_path / "trimtab.yaml"
+    path.write_text(yaml.safe_dump(_learned_document(
+        free_port(), learned="tests.support.learned_classifier:not_a_classifier")))
+    done = subprocess.run([sys.executable, "-m", "xds_server.cli", "serve", "--config",
+                           str(path)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert ("trimtab: cannot start: classifier.learned: "
+            "'tests.support.learned_classifier:not_a_classifier' returned str, which has no "
+            "classify(text)") in done.stderr.splitlines()
+
+
+def test_learned_tiers_count_as_tiers_and_the_factory_key_is_checked() -> None:
+    config = parse_config(_learned_document(18200))
+    assert config.classifier is not None and config.classifier.learned_tiers == ["fp"]
+    without = _learned_document(18200)
+    without["classifier"]["learned_tiers"] = []
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.intent_tiers\.fp: no classifier rule"):
+        parse_config(without)
+    bad = _learned_document(18200, learned="not a module path")
+    with pytest.raises(ConfigError, match=r"classifier\.learned"):
+        parse_config(bad)

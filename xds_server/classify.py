@@ -9,7 +9,9 @@ fails open (``failure_mode_allow``, ``message_timeout``), so a slow or dead clas
 request its tier, never the request.
 
 Rules are built in (keywords, regular expressions, prompt length; first match wins). A learned
-classifier plugs in through `Classifier`: any object with ``classify(text) -> tier | None``.
+classifier plugs in through `Classifier`: any object with ``classify(text) -> tier | None``,
+made by the factory ``classifier.learned: module:factory`` names and asked when no rule
+matches (`build_classifier`).
 
 Bounded: bodies over ``classifier.max_body_bytes`` are not parsed, at most
 ``classifier.max_text_chars`` of the message are looked at.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import logging
 import re
@@ -94,6 +97,42 @@ class RulesClassifier:
             if rule.matches(text, lowered):
                 return rule.tier
         return None
+
+
+class ChainedClassifier:
+    """The rules first; for a text no rule puts in a tier, the learned classifier. An error of
+    the learned one is counted (``learned_error``) and means the default tier."""
+
+    def __init__(self, rules: Classifier, learned: Classifier) -> None:
+        self.rules, self.learned = rules, learned
+
+    def classify(self, text: str) -> str | None:
+        tier = self.rules.classify(text)
+        if tier is not None:
+            return tier
+        try:
+            found = self.learned.classify(text)
+        except Exception:  # noqa: BLE001 - the plug-in's fault: the default tier, counted
+            UNREADABLE.labels("learned_error").inc()
+            return None
+        return found if isinstance(found, str) and found else None
+
+
+def build_classifier(limits: ClassifierConfig) -> Classifier:
+    """The rules, then ``classifier.learned`` when set. Raises ValueError naming the key."""
+    rules = RulesClassifier(limits.rules)
+    if limits.learned is None:
+        return rules
+    module, _, name = limits.learned.partition(":")
+    try:
+        learned = getattr(importlib.import_module(module), name)(limits)
+    except Exception as exc:  # noqa: BLE001 - whatever the plug-in raises, said in one line
+        raise ValueError(f"classifier.learned: cannot load {limits.learned!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not callable(getattr(learned, "classify", None)):
+        raise ValueError(f"classifier.learned: {limits.learned!r} returned "
+                         f"{type(learned).__name__}, which has no classify(text)")
+    return ChainedClassifier(rules, learned)
 
 
 def _compile(rule: ClassifierRuleConfig) -> _Rule:
@@ -230,12 +269,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _run(limits: ClassifierConfig) -> None:
+async def _run(limits: ClassifierConfig, classifier: Classifier) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve_classifier(limits, RulesClassifier(limits.rules), stop)
+    await serve_classifier(limits, classifier, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -253,10 +292,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     limits = config.classifier
     try:
+        classifier = build_classifier(limits)
+    except ValueError as exc:
+        print(f"trimtab classify: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         if limits.metrics_address is not None:
             metrics_at = parse_host_port(limits.metrics_address)
             start_http_server(metrics_at.port, metrics_at.host)
-        asyncio.run(_run(limits))
+        asyncio.run(_run(limits, classifier))
     except OSError as exc:
         print(f"trimtab classify: {exc}", file=sys.stderr)
         return 1

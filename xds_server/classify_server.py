@@ -97,6 +97,8 @@ class _Child:
         if answer is None or "listening" not in answer:
             self.stop()
             reason = (answer or {}).get("error", "the classifier did not start")
+            if (answer or {}).get("key") == "classifier.learned":
+                raise ValueError(reason)  # the operator's plug-in: `trimtab serve` exits 2
             raise CannotListen(f"{KEY} {self.address}", str(reason))
         self.port = int(answer["listening"])
 
@@ -118,9 +120,12 @@ class _Child:
             except (OSError, queue.Empty):
                 return None
 
-    def update(self, limits: ClassifierConfig) -> bool:
+    def update(self, limits: ClassifierConfig) -> str | None:
+        """None when the child applied `limits`, else why not."""
         answer = self._ask(limits, ANSWER_TIMEOUT_S)
-        return answer is not None and "applied" in answer
+        if answer is not None and "applied" in answer:
+            return None
+        return str((answer or {}).get("error", "the classifier did not answer"))
 
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None
@@ -185,7 +190,7 @@ class EmbeddedClassifier:
             fresh = _Child(limits)
             try:
                 await asyncio.to_thread(fresh.start)
-            except CannotListen as exc:
+            except (CannotListen, ValueError) as exc:
                 log.error("cannot start the embedded classifier again: %s", exc)
                 continue
             if self._child is child:
@@ -204,6 +209,8 @@ class EmbeddedClassifier:
                 await self.start(config)
             except CannotListen as exc:
                 return [(KEY, f"cannot start the embedded classifier: {exc.reason}")]
+            except ValueError as exc:  # classifier.learned
+                return [("classifier.learned", str(exc).partition(": ")[2])]
             return []
         if limits is None:
             await self.close()
@@ -212,12 +219,15 @@ class EmbeddedClassifier:
         if limits.address != child.address:
             return [(KEY, f"cannot change while the embedded classifier listens on "
                           f"{child.address}; restart trimtab to apply it")]
-        self._limits = limits  # what a restart uses, whatever the answer
-        if await asyncio.to_thread(child.update, limits):
+        problem = await asyncio.to_thread(child.update, limits)
+        if problem is not None and problem.startswith("classifier.learned"):
+            return [("classifier.learned", problem.partition(": ")[2])]  # the old one answers
+        self._limits = limits  # what a restart uses
+        if problem is None:
             log.info("embedded classifier: %d rules applied", len(limits.rules))
         else:
-            log.error("the embedded classifier did not confirm the new rules; it is started "
-                      "again with them if it died")
+            log.error("the embedded classifier did not confirm the new rules (%s); it is "
+                      "started again with them if it died", problem)
         return []
 
     async def close(self) -> None:
@@ -240,9 +250,13 @@ def _say(message: dict[str, Any]) -> None:
 
 
 async def _serve_child(limits: ClassifierConfig) -> int:
-    from xds_server.classify import ExtProcService, RulesClassifier, build_server
+    from xds_server.classify import ExtProcService, build_classifier, build_server
 
-    service = ExtProcService(RulesClassifier(limits.rules), limits)
+    try:
+        service = ExtProcService(build_classifier(limits), limits)
+    except ValueError as exc:  # classifier.learned
+        _say({"error": str(exc), "key": "classifier.learned"})
+        return 2
     try:
         server, port = build_server(service, limits.address)
         await server.start()
@@ -255,7 +269,11 @@ async def _serve_child(limits: ClassifierConfig) -> int:
     loop.add_signal_handler(signal.SIGTERM, done.set)
 
     def apply(new: ClassifierConfig) -> None:
-        service.update(RulesClassifier(new.rules), new)
+        try:
+            service.update(build_classifier(new), new)
+        except ValueError as exc:  # the old classifier keeps answering
+            _say({"error": str(exc), "key": "classifier.learned"})
+            return
         _say({"applied": len(new.rules)})
 
     def read() -> None:  # the parent's updates; EOF: the parent is gone or done with us

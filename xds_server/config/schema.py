@@ -119,6 +119,10 @@ class ClassifierConfig(Model):
     max_text_chars: int = Field(16_384, ge=16, le=1_000_000)  # of the last user message
     metrics_address: str | None = None             # Prometheus /metrics of the classifier
     rules: list[ClassifierRuleConfig] = Field(min_length=1)
+    # "module:factory": factory(ClassifierConfig) -> an object with classify(text) -> tier | None,
+    # asked when no rule matches; loaded in the classifier's process, never in trimtab serve's
+    learned: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    learned_tiers: list[str] = Field(default_factory=list, max_length=1000)  # tiers it may answer
 
     @field_validator("address", "envoy_address", "metrics_address")
     @classmethod
