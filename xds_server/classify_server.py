@@ -250,7 +250,7 @@ def _say(message: dict[str, Any]) -> None:
 
 
 async def _serve_child(limits: ClassifierConfig) -> int:
-    from xds_server.classify import ExtProcService, build_classifier, build_server
+    from xds_server.classify import ExtProcService, build_classifier, build_server, settle_heap
 
     try:
         service = ExtProcService(build_classifier(limits), limits)
@@ -263,6 +263,7 @@ async def _serve_child(limits: ClassifierConfig) -> int:
     except (OSError, RuntimeError) as exc:  # grpcio: RuntimeError
         _say({"error": cannot_listen(limits.address, exc).reason})
         return 1
+    settle_heap()
     _say({"listening": port})
     loop = asyncio.get_running_loop()
     done = asyncio.Event()
