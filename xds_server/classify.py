@@ -16,7 +16,8 @@ matches (`build_classifier`).
 Bounded: bodies over ``classifier.max_body_bytes`` are not parsed, at most
 ``classifier.max_text_chars`` of the message are looked at.
 
-Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config.
+Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config
+(a `classifier.learned` that cannot be loaded included).
 """
 
 from __future__ import annotations
