@@ -3,10 +3,10 @@
 When a pool enables ``intent_tiers``, `trimtab serve` starts the ext_proc service of
 `xds_server.classify` on ``classifier.address`` as its own child process (``python -m
 xds_server.classify_server``), so there is nothing else to deploy. A child, not a thread: a
-tick holds the GIL for tens of milliseconds at fleet scale, and a classifier thread in the same
-interpreter waited that long for it (measured: +27 ms p99 beside a 100-endpoint tick, past
-the 50 ms ``message_timeout`` beside a 500-endpoint one; benchmarks/classifier_serve.py), so
-ticks, scrapes and pushes never delay a classification now.
+tick's C calls (YAML, protobuf) hold the GIL, and a full garbage collection of trimtab's heap
+stops every thread of its process; the child shares neither, so ticks, scrapes and pushes
+never hold a classification (figures, child against thread, in docs/benchmarks.md: on the
+shared 2-core test host the difference is within its noise).
 
 Parent and child talk over the child's stdin/stdout, one JSON object a line: the parent sends
 ``{"limits": <classifier config>}`` (first: start; later: new rules from a reload), the child
