@@ -22,7 +22,7 @@ test-fast: venv  ## unit tests only
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
 demo: venv
-	$(PY) -m trimtab_dev.simdemo
+	$(PY) -m trimtab_dev.demo.simulated
 
 lint: venv
 	$(VENV)/bin/ruff check xds_server weight_calculator trimtab_dev tests benchmarks

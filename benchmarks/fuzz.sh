@@ -8,10 +8,10 @@ N="${1:-100000}"
 mkdir -p benchmarks/results
 export FUZZ_EXAMPLES="$N"
 for target in \
-  "tests/test_protocol_fuzz.py::test_sotw_never_resends_a_nacked_version" \
-  "tests/test_protocol_fuzz.py::test_delta_never_resends_a_nacked_version" \
-  "tests/test_fuzz_inputs.py::test_metrics_pages_parse_or_fail_cleanly" \
-  "tests/test_fuzz_inputs.py::test_configs_validate_or_fail_with_key_paths"; do
+  "tests/xds/test_protocol_fuzz.py::test_sotw_never_resends_a_nacked_version" \
+  "tests/xds/test_protocol_fuzz.py::test_delta_never_resends_a_nacked_version" \
+  "tests/config/test_fuzz_inputs.py::test_metrics_pages_parse_or_fail_cleanly" \
+  "tests/config/test_fuzz_inputs.py::test_configs_validate_or_fail_with_key_paths"; do
   start=$(date +%s)
   .venv/bin/python -m pytest -q -p no:cacheprovider --timeout 0 --hypothesis-show-statistics "$target" \
     | tee "benchmarks/results/fuzz-$(echo "$target" | sed 's/.*:://').txt" \

@@ -16,7 +16,10 @@ and, in separate processes so that they do not share its GIL, the telemetry peer
 The probe sends ``GET /healthz`` every 20 ms (one keep-alive connection) and, every 100 ms,
 a fresh ADS CDS fetch (new channel, stream, first CDS response), for ``--seconds`` per
 scenario, and reports p50 / p99 / max per scenario and run (``--runs``, for the spread; each
-target is judged on the worst run). The targets (issue 13): with the big page,
+target is judged on the worst run), and per scenario and run the cyclic-GC collections in
+trimtab's process (``gc.callbacks``: full ones per tick, the worst pauses, the tracked and
+frozen objects after the probe; a collection holds the GIL on whichever thread runs it, so
+its pause is the loop's). The targets (issue 13): with the big page,
 ``/healthz`` p99 and CDS fetch p99 <= 100 ms; with 10,000 endpoints, ``/healthz`` max <= 100 ms.
 Writes ``benchmarks/results/loop_isolation.json``.
 
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import logging
 import multiprocessing as mp
@@ -38,6 +42,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -167,6 +172,45 @@ async def _one_cds_fetch(xds_port: int) -> float:
 
 # --- trimtab (this process) -------------------------------------------------------------------
 
+class GcWatch:
+    """Every cyclic-GC collection in this process while installed (``gc.callbacks``): its
+    generation, pause and thread. A collection holds the GIL whichever thread runs it, so
+    each full one stalls the serving loop for its whole pause."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, str]] = []  # (generation, seconds, thread name)
+        self._started = 0.0
+        self.tracked = self.frozen = 0
+
+    def __enter__(self) -> GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], time.perf_counter() - self._started,
+                                threading.current_thread().name))
+
+    def heap(self) -> None:
+        """Note the tracked and frozen object counts now (call while trimtab runs)."""
+        self.tracked, self.frozen = len(gc.get_objects()), gc.get_freeze_count()
+
+    def summary(self, ticks: int) -> dict[str, Any]:
+        full = [(s, thread) for generation, s, thread in self.pauses if generation == 2]
+        on_loop = [s for s, thread in full if thread == threading.main_thread().name]
+        return {"collections": len(self.pauses), "gen2": len(full),
+                "gen2_per_tick": round(len(full) / max(1, ticks), 2),
+                "gen2_on_loop": len(on_loop),
+                "gen2_max_ms": round(1000.0 * max((s for s, _ in full), default=0.0), 1),
+                "max_ms": round(1000.0 * max((s for _, s, _ in self.pauses), default=0.0), 1),
+                "tracked": self.tracked, "frozen": self.frozen}
+
+
 def scenario_config(name: str, peers: int, xds: int, admin: int, listener: int
                     ) -> dict[str, Any]:
     base: dict[str, Any] = {"xds": {"address": f"127.0.0.1:{xds}"},
@@ -219,15 +263,33 @@ async def run_scenario(name: str, peers: int, seconds: float) -> dict[str, Any]:
     prober = mp.get_context("spawn").Process(target=probe, args=(admin, xds, seconds, out))
     started = time.perf_counter()
     prober.start()
-    samples = await asyncio.get_running_loop().run_in_executor(None, out.get)
+    with GcWatch() as watch:
+        samples = await asyncio.get_running_loop().run_in_executor(None, out.get)
+        await heap_after_next_tick(app.controller, watch)
     prober.join()
     stop.set()
     await running
     during = [t for t in ticks if t >= started]
-    result: dict[str, Any] = {"ticks": len(during)}
+    result: dict[str, Any] = {"ticks": len(during), "gc": watch.summary(len(during))}
     for key, values in samples.items():
         result[key.removesuffix("_s")] = summarise([1000.0 * v for v in values])
     return result
+
+
+async def heap_after_next_tick(controller: Any, watch: GcWatch) -> None:
+    """Count the heap at the end of the next tick (after the probe: the count walks every
+    object). ``gc.get_objects`` must not run while another thread builds a tuple (it would
+    see it half-made), so it runs in an ``on_tick`` hook: on the loop, the worker idle."""
+    counted = asyncio.Event()
+
+    def count() -> None:
+        if not counted.is_set():
+            watch.heap()
+            counted.set()
+
+    controller.on_tick.append(count)
+    await asyncio.wait_for(counted.wait(), 30)
+    controller.on_tick.remove(count)
 
 
 def summarise(values_ms: list[float]) -> dict[str, float]:
@@ -265,7 +327,18 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             cells = ["/".join(f"{r[kind][stat]:.0f}" for r in runs)
                      for stat in ("p50_ms", "p99_ms", "max_ms")]
             lines.append(f"{name:<16} {kind:<8} {cells[0]:>16} {cells[1]:>22} {cells[2]:>22}")
+        if all("gc" in r for r in runs):
+            lines.append(f"{name:<16} gc       " + gc_cells([r["gc"] for r in runs]))
     return lines
+
+
+def gc_cells(gcs: list[dict[str, Any]]) -> str:
+    def cells(key: str) -> str:
+        return "/".join(f"{g[key]:g}" for g in gcs)
+
+    return (f"full per tick {cells('gen2_per_tick')}, worst full ms {cells('gen2_max_ms')}, "
+            f"worst any ms {cells('max_ms')}, tracked {cells('tracked')}, "
+            f"frozen {cells('frozen')}")
 
 
 def main(argv: list[str] | None = None) -> int:

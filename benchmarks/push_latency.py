@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trimtab_dev.demo_backend import DemoBackends
+from trimtab_dev.demo.fake_gpu import DemoBackends
 from trimtab_dev.envoy_process import EnvoyProcess, envoy_binary, free_port, render_bootstrap
 from xds_server.app import Trimtab
 from xds_server.config.load import parse_config

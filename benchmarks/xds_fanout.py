@@ -73,7 +73,7 @@ RSS_BOUND_MB = 1024.0
 MAX_WEIGHT = 100
 
 
-# --- the synthetic config and its snapshots (also used by tests/test_fanout_faults.py) ------
+# --- the synthetic config and its snapshots (also used by tests/xds/test_fanout_faults.py) ------
 
 def endpoint_address(index: int) -> str:
     return f"10.{(index >> 16) & 255}.{(index >> 8) & 255}.{index & 255}:8000"

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import free_port
 from xds_server import __version__
 from xds_server.cli import EXIT_BAD_INPUT, main
@@ -289,11 +289,12 @@ def guarded_server(tmp_path: Path) -> Iterator[tuple[Path, str]]:
                              "serve", "--config", str(path)], cwd=ROOT)
     base = f"http://127.0.0.1:{admin}"
     try:
-        deadline = time.monotonic() + 30
-        while _get_status(f"{base}/healthz") != 200:
+        def readyz() -> int:  # ready: the first tick started the rollout
             assert proc.poll() is None, "trimtab serve exited"
-            assert time.monotonic() < deadline, "trimtab serve never answered /healthz"
-            time.sleep(0.05)
+            return _get_status(f"{base}/readyz")
+
+        wait_until(readyz, 30, "trimtab serve to become ready", check=lambda s: s == 200,
+                   every=0.05)
         yield path, base
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -535,11 +536,11 @@ def test_sighup_refuses_a_broken_file_then_applies_a_new_interval(tmp_path: Path
     base = f"http://127.0.0.1:{admin}"
 
     def wait(what: str, check) -> None:
-        deadline = time.monotonic() + 20
-        while not check():
+        def alive_and_checked() -> bool:
             assert proc.poll() is None, "trimtab serve exited"
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            time.sleep(0.05)
+            return bool(check())
+
+        wait_until(alive_and_checked, 20, what, every=0.05)
 
     def logged() -> str:
         return (tmp_path / "stderr").read_text()

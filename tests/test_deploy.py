@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tests.support.wait import wait_until_async
 from trimtab_dev.envoy_process import EnvoyError, validate_config
 from xds_server.config.addresses import parse_host_port
 from xds_server.config.load import load_config, parse_config
@@ -881,8 +882,8 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
     another cluster is refused."""
     import asyncio
 
+    from tests.security.test_security import CONFIG, published, with_free_listener
     from tests.support.certs import TestCA
-    from tests.test_security import CONFIG, published, with_free_listener
     from trimtab_dev.envoy_process import EnvoyProcess, free_port
     from xds_server.security.authz import NodeAuthorizer
     from xds_server.security.guard import XdsGuard
@@ -942,17 +943,13 @@ def test_mtls_overlay_envoy_reaches_trimtab_with_the_overlays_names_and_sans(tmp
             handshakes = own.stat("cluster.xds_cluster.ssl.handshake") or 0
             before = serials(own)
             own_volume.install(_envoy_tls_files(ca, renewed))  # cert-manager renews
-            for _ in range(200):
-                if serial(renewed) in serials(own):
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: serial(renewed) in serials(own), 10.0,
+                                   "Envoy to load the renewed certificate", every=0.05)
             after = serials(own)
             await asyncio.to_thread(other.start, bootstrap(port, cluster + ".eu")[0])
             await asyncio.to_thread(other.wait_admin, 20)
-            for _ in range(200):
-                if guard.denied["permission"]:
-                    break
-                await asyncio.sleep(0.05)
+            await wait_until_async(lambda: guard.denied["permission"], 10.0,
+                                   "the guard to deny the other cluster", every=0.05)
             assert clusters(other) == []
             return served, handshakes, guard.denied["permission"], before, after
         finally:

@@ -13,6 +13,7 @@ from pydantic import BaseModel
 
 import xds_server.app  # noqa: F401  (registers trimtab serve's metrics)
 import xds_server.classify  # noqa: F401  (registers trimtab classify's metrics)
+from xds_server.admin.metrics import FleetCollector
 from xds_server.config.schema import Config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,9 +22,11 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 
 def registered_metrics() -> set[str]:
-    """The exposed names of trimtab's metrics (a counter family ``x`` is served as ``x_total``)."""
+    """The exposed names of trimtab's metrics (a counter family ``x`` is served as ``x_total``):
+    the global registry's and the fleet series rendered at scrape time."""
+    families = [*REGISTRY.collect(), *FleetCollector(dict).collect()]
     return {f.name + ("_total" if f.type == "counter" else "")
-            for f in REGISTRY.collect() if f.name.startswith("trimtab_")}
+            for f in families if f.name.startswith("trimtab_")}
 
 
 def test_every_registered_metric_is_in_docs_metrics() -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Iterator, Mapping
@@ -238,22 +239,56 @@ def package_graph(graph: Mapping[str, list[Edge]]) -> dict[str, list[Edge]]:
 #   admin.api imports control and xds (metrics as one collector would end it);
 # - xds.server imports security.guard, which imports envoy.views, which imports xds.snapshot
 #   and xds.type_urls (app handing the gRPC pump its guard would end it);
-# - telemetry.sources imports control.slo (parse_slo) while control imports telemetry;
-# - admin.api imports test_hooks, which imports xds (it moves to tests/support/).
 # Remove a package here once it is out of every cycle; nothing may join.
 TANGLED = {"xds_server.admin", "xds_server.control", "xds_server.envoy", "xds_server.security",
-           "xds_server.telemetry", "xds_server.test_hooks", "xds_server.xds"}
+           "xds_server.xds"}
 
 
 def test_package_cycles_do_not_grow() -> None:
     packages = package_graph(import_graph())
     assert {"xds_server.config", "xds_server.envoy", "weight_calculator"} <= set(packages)
+    # telemetry left the tangle when the page parser began reading the SLO counters itself
+    assert "xds_server.telemetry" not in TANGLED
     tangled = {p for tangle in tangles(packages) for p in tangle}
     assert tangled <= TANGLED, f"new package cycles: {sorted(tangled - TANGLED)}"
 
 
 def test_the_product_never_imports_the_dev_tools_or_the_tests() -> None:
     assert _offences(import_graph(), DEV) == []
+
+
+TEST_HOOK_MARKS = ("test_hooks", "TEST_HOOKS", "/v1/test", ".mutators", "test-only")
+
+
+def test_the_product_holds_no_test_hooks() -> None:
+    """Fault injection (the hooked controller, its hooks server) lives in tests/support/:
+    no test module, hook, switch or `/v1/test` route ships in the product."""
+    files = module_files()
+    assert "xds_server.control.controller" in files and "xds_server.admin.api" in files
+    assert [m for m in files if m.rpartition(".")[2].startswith("test")] == []
+    marked = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+              for path in files.values()
+              for number, line in enumerate(path.read_text().splitlines(), 1)
+              if any(mark in line for mark in TEST_HOOK_MARKS)]
+    assert marked == []
+
+
+RECONCILE_BYPASS = re.compile(
+    r"controller\.(apply_config|publish|publish_off_loop|ingest|set_\w+|_\w+)\b"
+    r"|controller\.(weights|canary_percent|config|auto)\s*=[^=]")
+
+
+def test_other_parts_change_what_is_served_only_through_reconcile() -> None:
+    """One reconcile path (issue 14): admin, discovery and reload ask the controller to
+    `reconcile`; outside control/ nothing applies configs, publishes, or sets its state."""
+    files = {m: p for m, p in module_files().items() if not m.startswith("xds_server.control")}
+    assert "xds_server.app" in files and "xds_server.admin.api" in files
+    offences = [f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+                for path in files.values()
+                for number, line in enumerate(path.read_text().splitlines(), 1)
+                if RECONCILE_BYPASS.search(line)]
+    assert offences == []
+    assert "controller.reconcile(" in files["xds_server.app"].read_text()
 
 
 def test_weight_calculator_imports_nothing_of_xds_server() -> None:

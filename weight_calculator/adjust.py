@@ -15,9 +15,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import replace
 
+from weight_calculator.health import WARMING
 from weight_calculator.types import EndpointWeight, Observation, PoolWeights
-
-WARMING = "WARMING"
 
 
 def warming(obs: Observation, window_s: float, now: float) -> bool:

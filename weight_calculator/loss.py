@@ -29,10 +29,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import replace
 
+from weight_calculator.health import DEGRADED, STALE
 from weight_calculator.types import EndpointWeight, Observation, PoolWeights, Sample
 
-DEGRADED = "DEGRADED"
-STALE = "STALE"
 _TOLERANCE = 1e-9  # relative: 3 * 0.1 counts as 0.3
 
 

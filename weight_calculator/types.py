@@ -6,6 +6,8 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from weight_calculator.health import Health
+
 
 @dataclass(frozen=True)
 class Sample:
@@ -66,7 +68,7 @@ class EndpointWeight:
     updated_at: float | None  # collected_at of the sample used, None if none
     reason: str = ""  # short human reason, e.g. "ok", "no telemetry yet", "fail-static"
     # Added for the composite policy; defaults keep older producers/consumers working.
-    health: str = "HEALTHY"  # HEALTHY | DEGRADED | STALE | INVALID | WARMING
+    health: str = Health.HEALTHY  # a weight_calculator.health.Health
     breakdown: Mapping[str, float] = field(default_factory=dict)  # inputs, normalised, shares
     problems: tuple[str, ...] = ()  # rejected or partly failed inputs (see Sample.problems)
 

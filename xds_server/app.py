@@ -11,8 +11,9 @@ import grpc
 from aiohttp import web
 from grpc_health.v1.health import aio as health_aio
 
-from xds_server.admin.api import AdminApi, start_admin, weights_document
-from xds_server.admin.history import WeightHistory
+from xds_server.admin.api import AdminApi, start_admin
+from xds_server.admin.documents import weights_document
+from xds_server.admin.history import WeightHistory, history_point
 from xds_server.classify_server import EmbeddedClassifier
 from xds_server.config.load import ConfigError, load_config
 from xds_server.config.schema import Config
@@ -88,16 +89,17 @@ def state_file_path(config: Config, config_path: str | Path | None) -> Path:
 class Trimtab:
     """One control plane. `start()`, then `run(stop)` until `stop` is set."""
 
-    def __init__(self, config: Config, config_path: str | Path | None = None) -> None:
+    def __init__(self, config: Config, config_path: str | Path | None = None,
+                 controller_type: type[Controller] = Controller) -> None:
         self.config = config
         self.config_path = config_path
         self.cache = SnapshotCache()
         warn_deprecated_drive(config)
         coordinated = kubernetes_rollouts(config)  # None: embedded mode (the state file)
         self.elector: LeaseElector | None = coordinated[1] if coordinated else None
-        self.controller = Controller(config, self.cache,
-                                     state_file=state_file_path(config, config_path),
-                                     rollouts=coordinated[0] if coordinated else None)
+        self.controller = controller_type(config, self.cache,
+                                          state_file=state_file_path(config, config_path),
+                                          rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
         self.controller.on_tick_off_loop.append(self._prepare_history)
         self.discovery = Discovery(self._apply_discovered)
@@ -108,7 +110,7 @@ class Trimtab:
             RateLimiter(limits.requests_per_second, limits.request_burst)
             if limits.requests_per_second is not None else None,
             SnapshotViews())  # from the inputs each snapshot is published with
-        self.servicer = XdsServicer(self.cache, on_event=self.nacks.observe, guard=self.guard,
+        self.servicer = XdsServicer(self.cache, observers=[self.nacks], guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))
         self._grpc: grpc.aio.Server | None = None
@@ -212,13 +214,13 @@ class Trimtab:
 
     def _prepare_history(self) -> Callable[[], None]:
         """On the telemetry worker: the weights document (CPU-heavy at fleet scale, reads
-        only what a tick replaces); the loop then records it."""
-        at, document = self.controller.clock(), weights_document(self.controller)
-        return lambda: self.history.record(at, document)
+        only what a tick replaces) and its history point, so that only the point (a few
+        untracked maps) outlives the job; the loop then adds it."""
+        point = history_point(self.controller.clock(), weights_document(self.controller))
+        return lambda: self.history.add(point)
 
     def _apply_discovered(self, config: Config) -> None:
-        self.controller.apply_config(config)
-        self.controller.publish()
+        self.controller.reconcile(config)
 
     async def close(self) -> None:
         if self.elector is not None:  # first: stop driving, hand the Lease to another replica

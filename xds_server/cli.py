@@ -25,6 +25,7 @@ from xds_server.control.rollouts.machine import RolloutStateError
 from xds_server.listen import CannotListen
 
 if TYPE_CHECKING:
+    from xds_server.app import Trimtab
     from xds_server.telemetry.nvml_agent import GpuReader
 
 EXIT_BAD_INPUT = 2
@@ -97,12 +98,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: argparse.Namespace) -> int:
+async def _serve(config_path: str, app_type: type[Trimtab] | None) -> int:
     from xds_server.app import Trimtab
 
-    config = load_config(args.config)
+    config = load_config(config_path)
     try:
-        app = Trimtab(config, args.config)
+        app = (app_type or Trimtab)(config, config_path)
     except RolloutStateError as exc:
         print(f"trimtab: refusing to start: rollout state file {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -131,12 +132,17 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    return serve_app(args.config)
+
+
+def serve_app(config_path: str, app_type: type[Trimtab] | None = None) -> int:
+    """`trimtab serve`: run ``app_type`` (default Trimtab) until SIGTERM/SIGINT."""
     try:
-        load_config(args.config)
+        load_config(config_path)
     except ConfigError as exc:
-        print(f"trimtab: invalid config {args.config}:\n{exc}", file=sys.stderr)
+        print(f"trimtab: invalid config {config_path}:\n{exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    return asyncio.run(_serve(args))
+    return asyncio.run(_serve(config_path, app_type))
 
 
 def cmd_weights(args: argparse.Namespace) -> int:

@@ -2,8 +2,8 @@
 
 One *stack* per xDS flavour (``sotw``, ``delta``), shared by the tests of a module: five fake
 backends (pool ``alpha`` has three, pool ``beta`` two), ``trimtab serve`` as a subprocess
-(``TRIMTAB_TEST_HOOKS=1``) and a real Envoy that takes everything over ADS. The function-scoped
-``stack`` fixture puts the shared stack back into its baseline state before each test (trimtab
+(through ``tests.support.launcher``, with its hooks server) and a real Envoy that takes
+everything over ADS. The function-scoped ``stack`` fixture puts the shared stack back into its baseline state before each test (trimtab
 running, hooks off, every backend healthy at its baseline memory, Envoy showing those weights),
 so a test's outcome never depends on the tests that ran before it.
 """
@@ -18,19 +18,18 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support import BackendFleet
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
-
-T = TypeVar("T")
 
 INTERVAL_S = 0.5  # telemetry.interval_seconds: short, to keep the tests fast
 STALE_AFTER_S = 3.0  # telemetry.stale_after_seconds: several ticks
@@ -41,27 +40,13 @@ MODELS = {"alpha": "example/alpha-8b", "beta": "example/beta-70b"}
 POOL_SIZES = {"alpha": 3, "beta": 2}
 BASELINE_PCT = {"alpha": (10.0, 50.0, 90.0), "beta": (30.0, 70.0)}  # -> 95/75/55, 85/65
 TRIMTAB_STOP_S = 5.0
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: `tests` is importable from here
 
 
 def expected_weight(used_mib: float, total_mib: float) -> int:
     """The documented formula, computed independently of trimtab's code."""
     pct = 100.0 * used_mib / total_mib
     return max(1, min(100, round(100 - pct / 2)))
-
-
-def wait_for(probe: Callable[[], T], timeout: float, what: str,
-             check: Callable[[T], object] = bool, every: float = 0.02) -> T:
-    """Call ``probe`` until ``check(value)`` holds; return that value, or fail naming ``what``
-    and the last value seen."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if check(value):
-            return value
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout:.2f}s waiting for {what}; "
-                                 f"last: {value!r}")
-        time.sleep(every)
 
 
 def parse_metric(text: str, name: str, **labels: str) -> float | None:
@@ -85,20 +70,25 @@ def http_json(url: str, body: Any = None, timeout: float = 5.0) -> tuple[int, An
 
 @dataclass
 class TrimtabProcess:
-    """``python -m xds_server.cli serve`` as a child process, stopped by PID."""
+    """``python -m xds_server.cli serve`` as a child process, stopped by PID. With a
+    ``hooks_port``, ``python -m tests.support.launcher`` instead: the same serve path with a
+    hooked controller, its hooks server on that port (see :meth:`set_invalid_weight`)."""
 
     config_path: Path
     admin_port: int
     log_path: Path
     proc: subprocess.Popen[bytes] | None = None
+    hooks_port: int | None = None
 
     def start(self) -> None:
         assert not self.running(), "trimtab already running"
-        env = {**os.environ, "TRIMTAB_TEST_HOOKS": "1"}
-        cmd = [sys.executable, "-m", "xds_server.cli", "serve", "--config", str(self.config_path)]
+        cmd = ([sys.executable, "-m", "xds_server.cli", "serve", "--config", str(self.config_path)]
+               if self.hooks_port is None else
+               [sys.executable, "-m", "tests.support.launcher", "--config", str(self.config_path),
+                "--hooks", f"127.0.0.1:{self.hooks_port}"])
         with self.log_path.open("ab") as log:
             self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log,
-                                         stderr=subprocess.STDOUT, env=env)
+                                         stderr=subprocess.STDOUT, cwd=ROOT)
 
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -115,7 +105,7 @@ class TrimtabProcess:
             return False
 
     def wait_ready(self, timeout: float = SETTLE_S) -> None:
-        wait_for(self._ready, timeout, "trimtab /readyz 200")
+        wait_until(self._ready, timeout, "trimtab /readyz 200")
 
     def ticks(self) -> int:
         return int(http_json(self.url("/readyz"))[1]["ticks"])
@@ -123,8 +113,8 @@ class TrimtabProcess:
     def wait_ticks(self, count: int, since: int | None = None) -> None:
         """Wait until ``count`` ticks have run after tick number ``since`` (default: now)."""
         target = (self.ticks() if since is None else since) + count
-        wait_for(self.ticks, count * INTERVAL_S + SETTLE_S, f"tick {target}",
-                 check=lambda ticks: ticks >= target)
+        wait_until(self.ticks, count * INTERVAL_S + SETTLE_S, f"tick {target}",
+                   check=lambda ticks: ticks >= target)
 
     def weights(self) -> dict[str, Any]:
         return http_json(self.url("/v1/weights"))[1]
@@ -134,7 +124,8 @@ class TrimtabProcess:
             return parse_metric(resp.read().decode(), name, **labels)
 
     def set_invalid_weight(self, pool: str, enabled: bool) -> dict[str, Any]:
-        status, body = http_json(self.url("/v1/test/invalid-weight"),
+        assert self.hooks_port is not None, "started without hooks"
+        status, body = http_json(f"http://127.0.0.1:{self.hooks_port}/invalid-weight",
                                  {"pool": pool, "enabled": enabled})
         assert status == 200, body
         return body
@@ -195,8 +186,8 @@ class Stack:
 
     def wait_envoy(self, pool: str, want: dict[str, int], timeout: float = SETTLE_S) -> float:
         """Poll Envoy until ``pool`` has exactly ``want``; returns when (monotonic)."""
-        wait_for(lambda: self.envoy_weights(pool), timeout, f"Envoy {pool} weights {want}",
-                 check=lambda weights: weights == want, every=0.01)
+        wait_until(lambda: self.envoy_weights(pool), timeout, f"Envoy {pool} weights {want}",
+                   check=lambda weights: weights == want, every=0.01)
         return time.monotonic()
 
     def stat(self, name: str) -> int:
@@ -215,9 +206,9 @@ class Stack:
             self.set_pcts(pool, pcts)
         for pool in BASELINE_PCT:
             self.wait_envoy(pool, self.expected(pool))
-        wait_for(lambda: self.envoy.stat("control_plane.connected_state"), SETTLE_S,
-                 "Envoy connected to trimtab", check=lambda state: state == 1)
-        wait_for(self.trimtab.weights, SETTLE_S, "no stale endpoint", check=_nothing_stale)
+        wait_until(lambda: self.envoy.stat("control_plane.connected_state"), SETTLE_S,
+                   "Envoy connected to trimtab", check=lambda state: state == 1)
+        wait_until(self.trimtab.weights, SETTLE_S, "no stale endpoint", check=_nothing_stale)
 
 
 def _nothing_stale(document: dict[str, Any]) -> bool:
@@ -255,7 +246,8 @@ def shared_stack(request: pytest.FixtureRequest,
     trimtab = envoy = None
     try:
         members = write_config(workdir / "trimtab.yaml", fleet, ports)
-        trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log")
+        trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log",
+                                 hooks_port=free_port())
         envoy = EnvoyProcess(extra_args=["--concurrency", "2"])
         bootstrap = render_bootstrap(xds_host="127.0.0.1", xds_port=ports["xds"],
                                      admin_port=ports["envoy_admin"], api=api)

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, wait_for
+from tests.integration.conftest import TrimtabProcess
 from tests.support import BackendFleet
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
@@ -116,9 +117,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                      admin_port=ports["envoy_admin"], api="delta"),
                     workdir / "envoy.log")
         envoy.wait_ready(timeout=SETTLE_S)
-        wait_for(lambda: _lands(stack, "m-intent", "python please"), SETTLE_S,
-                 "the classifier answering", check=lambda role: role == "intent-code",
-                 every=0.1)
+        wait_until(lambda: _lands(stack, "m-intent", "python please"), SETTLE_S,
+                   "the classifier answering", check=lambda role: role == "intent-code",
+                   every=0.1)
         yield stack
     finally:
         pids = [p.pid for p in (trimtab.proc, envoy.proc, classify.proc) if p is not None]
@@ -181,8 +182,8 @@ def test_a_hanging_or_dead_classifier_fails_open(stack: Stack) -> None:
     finally:
         os.kill(proc.pid, signal.SIGCONT)
     assert stack.hop_stat("message_timeouts") >= timeouts + 5
-    wait_for(lambda: _lands(stack, "m-intent", "python"), SETTLE_S, "the tier back",
-             check=lambda role: role == "intent-code", every=0.1)
+    wait_until(lambda: _lands(stack, "m-intent", "python"), SETTLE_S, "the tier back",
+               check=lambda role: role == "intent-code", every=0.1)
 
     allowed = stack.hop_stat("failure_mode_allowed")
     stack.classify.stop()  # an outage: connections refused
@@ -192,5 +193,5 @@ def test_a_hanging_or_dead_classifier_fails_open(stack: Stack) -> None:
         assert stack.hop_stat("failure_mode_allowed") >= allowed + 5
     finally:
         stack.classify.start()
-    wait_for(lambda: _lands(stack, "m-intent", "python"), SETTLE_S, "the classifier back",
-             check=lambda role: role == "intent-code", every=0.2)
+    wait_until(lambda: _lands(stack, "m-intent", "python"), SETTLE_S, "the classifier back",
+               check=lambda role: role == "intent-code", every=0.2)

@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, wait_for
+from tests.integration.conftest import TrimtabProcess
 from tests.support import BackendFleet, VllmPage
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
@@ -60,10 +61,10 @@ class CompositeStack:
         for index, page in enumerate(pages):
             self.fleet.set_vllm(index, page)
         want = {a: readme_weight(p) for a, p in zip(self.fleet.addresses, pages, strict=True)}
-        wait_for(self.trimtab_weights, SETTLE_S, f"trimtab's /v1/weights at {want}",
-                 check=lambda weights: weights == want)
-        wait_for(lambda: self.envoy.host_weights("composite"), SETTLE_S,
-                 f"Envoy's weights at {want}", check=lambda weights: weights == want)
+        wait_until(self.trimtab_weights, SETTLE_S, f"trimtab's /v1/weights at {want}",
+                   check=lambda weights: weights == want)
+        wait_until(lambda: self.envoy.host_weights("composite"), SETTLE_S,
+                   f"Envoy's weights at {want}", check=lambda weights: weights == want)
         return want
 
     def shares(self, requests: int) -> dict[str, float]:

@@ -30,8 +30,8 @@ from tests.integration.conftest import (
     Stack,
     expected_weight,
     http_json,
-    wait_for,
 )
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -116,8 +116,8 @@ def _wait_envoy_counting_ticks(stack: Stack, pool: str, want: dict[str, int]) ->
             seen.append(stack.trimtab.ticks())
         return weights
 
-    wait_for(probe, SETTLE_S, f"Envoy {pool} weights {want}",
-             check=lambda weights: weights == want, every=0.01)
+    wait_until(probe, SETTLE_S, f"Envoy {pool} weights {want}",
+               check=lambda weights: weights == want, every=0.01)
     return seen[0]
 
 
@@ -148,9 +148,9 @@ def test_metric_change_reaches_envoy_within_one_tick(stack: Stack) -> None:
             f"after tick {done}, so it was due by the end of tick {done + 2}")
         # The ACK of that ClusterLoadAssignment completes a convergence observation: the time
         # from the telemetry read to the ACK, at most one tick plus the push allowance.
-        count, total = wait_for(lambda: _convergence(stack), INTERVAL_S + SLACK_S,
-                                "trimtab_convergence_seconds observed the ACK",
-                                check=partial(_counted_more, count_before))
+        count, total = wait_until(lambda: _convergence(stack), INTERVAL_S + SLACK_S,
+                                  "trimtab_convergence_seconds observed the ACK",
+                                  check=partial(_counted_more, count_before))
         assert count > 0
         mean = (total - sum_before) / (count - count_before)
         assert 0 < mean <= INTERVAL_S + SLACK_S, mean
@@ -211,12 +211,12 @@ def test_invalid_resource_is_nacked_and_not_resent(stack: Stack) -> None:
     before_logged = _nack_log(stack)["total"]
     good = stack.envoy_weights("alpha")
     stack.trimtab.set_invalid_weight("alpha", True)
-    wait_for(lambda: stack.stat(rejected), SETTLE_S, f"{rejected} == {before_rejected + 1}",
-             check=lambda value: value == before_rejected + 1)
-    wait_for(lambda: _eds_nacks(stack), SETTLE_S, "trimtab counted the NACK",
-             check=lambda value: value >= before_nacks + 1)
-    log = wait_for(lambda: _nack_log(stack), SETTLE_S, "the NACK in /v1/nacks",
-                   check=lambda doc: doc["total"] == before_logged + 1)
+    wait_until(lambda: stack.stat(rejected), SETTLE_S, f"{rejected} == {before_rejected + 1}",
+               check=lambda value: value == before_rejected + 1)
+    wait_until(lambda: _eds_nacks(stack), SETTLE_S, "trimtab counted the NACK",
+               check=lambda value: value >= before_nacks + 1)
+    log = wait_until(lambda: _nack_log(stack), SETTLE_S, "the NACK in /v1/nacks",
+                     check=lambda doc: doc["total"] == before_logged + 1)
     record = log["recent"][0]  # newest first
     assert (record["node"], record["api"], record["type"]) == ("envoy-local", stack.api, "eds")
     assert record["rejected"]["alpha"] == _current_eds_version(stack, "alpha")  # the broken one
@@ -247,7 +247,7 @@ def test_restart_with_same_inputs_pushes_nothing_new(stack: Stack) -> None:
     assert stack.trimtab.stop(signal.SIGTERM) == 0
     stack.trimtab.start()
     stack.trimtab.wait_ready()
-    wait_for(lambda: _reconnected(stack), SETTLE_S, "Envoy reconnected to the new trimtab")
+    wait_until(lambda: _reconnected(stack), SETTLE_S, "Envoy reconnected to the new trimtab")
     stack.trimtab.wait_ticks(2)
     assert {name: stack.stat(name) for name in RESTART_STATS} == before
     assert {pool: stack.envoy_weights(pool) for pool in BASELINE_PCT} == weights
@@ -262,8 +262,8 @@ def test_malformed_metrics_make_only_that_endpoint_stale(stack: Stack) -> None:
     healthy = {pool: stack.expected(pool) for pool in BASELINE_PCT}
     broken_at = time.monotonic()
     stack.fleet.set_metrics_mode(stack.members["alpha"][1], "garbage")
-    document = wait_for(stack.trimtab.weights, INTERVAL_S + SLACK_S, f"{bad} stale in /v1/weights",
-                        check=lambda doc: doc["pools"]["alpha"][bad]["stale"])
+    document = wait_until(stack.trimtab.weights, INTERVAL_S + SLACK_S, f"{bad} stale in /v1/weights",
+                          check=lambda doc: doc["pools"]["alpha"][bad]["stale"])
     assert document["pools"]["alpha"][bad]["weight"] == healthy["alpha"][bad]  # held until stale_after
     for pool, want in healthy.items():
         for address, endpoint in document["pools"][pool].items():
@@ -285,10 +285,12 @@ def _port_closed(port: int) -> bool:
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_stop_signal_shuts_down_gracefully(stack: Stack, sig: signal.Signals) -> None:
-    assert _reconnected(stack)  # an xDS stream is open while it shuts down
+    # An xDS stream is open while it shuts down. The fixture may have just restarted trimtab
+    # (the previous case stopped it), and Envoy redials on its own backoff: wait for it.
+    wait_until(lambda: _reconnected(stack), SETTLE_S, "Envoy connected to trimtab")
     started = time.monotonic()
     assert stack.trimtab.stop(sig, timeout=5.0) == 0  # not killed, exit status 0
     assert time.monotonic() - started < 5.0
     assert _port_closed(stack.trimtab.admin_port) and _port_closed(stack.xds_port)
-    wait_for(lambda: stack.envoy.stat("control_plane.connected_state"), SETTLE_S,
-             "Envoy noticed the control plane left", check=lambda state: state == 0)
+    wait_until(lambda: stack.envoy.stat("control_plane.connected_state"), SETTLE_S,
+               "Envoy noticed the control plane left", check=lambda state: state == 0)

@@ -33,9 +33,9 @@ from tests.integration.conftest import (
     STALE_AFTER_S,
     Stack,
     http_json,
-    wait_for,
 )
 from tests.support import MetricsMode
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -118,8 +118,8 @@ class Traffic:
 
     def wait_count(self, extra: int) -> None:
         target = self.count() + extra
-        wait_for(self.count, extra / self.rate + SETTLE_S, f"{target} requests sent",
-                 check=lambda n: n >= target)
+        wait_until(self.count, extra / self.rate + SETTLE_S, f"{target} requests sent",
+                   check=lambda n: n >= target)
 
 
 def _failures(samples: list[Sample]) -> list[Sample]:
@@ -155,17 +155,17 @@ def test_sigkill_of_the_control_plane_fails_no_request(stack: Stack) -> None:
         traffic.wait_count(WARM_REQUESTS)
         killed_at = time.monotonic()
         assert stack.trimtab.stop(signal.SIGKILL) == -signal.SIGKILL
-        wait_for(lambda: _connected(stack), SETTLE_S, "Envoy saw the control plane go",
-                 check=lambda state: state == 0)
+        wait_until(lambda: _connected(stack), SETTLE_S, "Envoy saw the control plane go",
+                   check=lambda state: state == 0)
         time.sleep(OUTAGE_S)
         assert {pool: stack.envoy_weights(pool) for pool in BASELINE_PCT} == weights
         restart_at = time.monotonic()
         stack.trimtab.start()
         stack.trimtab.wait_ready()
-        stream = wait_for(lambda: _envoy_stream(stack), SETTLE_S,
-                          "Envoy's stream (EDS ACKed) in the new trimtab's /v1/snapshot")
-        wait_for(lambda: _connected(stack), SETTLE_S, "Envoy connected again",
-                 check=lambda state: state == 1)
+        stream = wait_until(lambda: _envoy_stream(stack), SETTLE_S,
+                            "Envoy's stream (EDS ACKed) in the new trimtab's /v1/snapshot")
+        wait_until(lambda: _connected(stack), SETTLE_S, "Envoy connected again",
+                   check=lambda state: state == 1)
         reconnected_at = time.monotonic()
         traffic.wait_count(round(AFTER_S * RATE_RPS))
     samples = traffic.snapshot()
@@ -205,12 +205,12 @@ def test_pool_without_telemetry_is_fail_static_and_envoy_keeps_its_weights(stack
             weights_seen.append({a: ep["weight"] for a, ep in doc["pools"]["alpha"].items()})
             return _alpha_all_stale(doc)
 
-        wait_for(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S,
-                 "every alpha endpoint stale", check=alpha_stale)
+        wait_until(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S,
+                   "every alpha endpoint stale", check=alpha_stale)
         stack.set_pcts("alpha", (90.0, 90.0, 90.0))  # a change trimtab cannot see now
         # every read of the pool fails: fail-static at once, long before stale_after
-        document = wait_for(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S, "alpha fail-static",
-                            check=lambda doc: doc["fail_static_pools"] == ["alpha"])
+        document = wait_until(stack.trimtab.weights, 2 * INTERVAL_S + SLACK_S, "alpha fail-static",
+                              check=lambda doc: doc["fail_static_pools"] == ["alpha"])
         static_at = time.monotonic()
         assert all(seen == held for seen in weights_seen), weights_seen
         for address, endpoint in document["pools"]["alpha"].items():

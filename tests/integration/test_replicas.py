@@ -17,10 +17,11 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, wait_for
+from tests.integration.conftest import TrimtabProcess
 from tests.integration.test_routing_features import Traffic
 from tests.support import BackendFleet, VllmPage
 from tests.support.fake_kube import FakeKube
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 from xds_server.control.rollouts.machine import from_json
 
@@ -62,7 +63,7 @@ def replicas(tmp_path: Path) -> Iterator[tuple[list[int], list[int], list[subpro
     procs = [_start(_config(tmp_path, f"r{i}", xds[i], admin[i], listener)) for i in range(2)]
     try:
         for port in admin:
-            wait_for(lambda port=port: _ready(port), 20, f"replica on {port} ready")
+            wait_until(lambda port=port: _ready(port), 20, f"replica on {port} ready")
         yield xds, admin, procs
     finally:
         for proc in procs:
@@ -102,15 +103,15 @@ def test_envoy_moved_between_replicas_sees_no_change(replicas, tmp_path):
         envoy.wait_ready(20)
         counters = ("cluster_manager.cds.update_success", "listener_manager.lds.update_success",
                     "cluster.pool0.update_success", "cluster.pool1.update_success")
-        before = wait_for(lambda: {c: envoy.stat(c) for c in counters}, 10,
-                          "Envoy holding every pool", lambda v: all(v.values()))
+        before = wait_until(lambda: {c: envoy.stat(c) for c in counters}, 10,
+                            "Envoy holding every pool", lambda v: all(v.values()))
         weights = envoy.host_weights("pool1")
         serving = next(i for i in range(2) if _streams(admin[i]) > 0)
         procs[serving].send_signal(signal.SIGTERM)
         procs[serving].wait(10)
         other = 1 - serving
-        wait_for(lambda: _streams(admin[other]), 20, "Envoy reconnected to the other replica")
-        wait_for(lambda: _acked(admin[other]), 10, "the other replica saw Envoy's ACKs")
+        wait_until(lambda: _streams(admin[other]), 20, "Envoy reconnected to the other replica")
+        wait_until(lambda: _acked(admin[other]), 10, "the other replica saw Envoy's ACKs")
         assert {c: envoy.stat(c) for c in counters} == before
         assert envoy.host_weights("pool1") == weights
 
@@ -194,33 +195,33 @@ def test_leader_killed_mid_rollout_a_follower_resumes_every_step_exactly_once(tm
                 replica.wait_ready(60)
             envoy.start(bootstrap, log_path=tmp_path / "envoy.log")
             envoy.wait_ready(20)
-            wait_for(lambda: envoy.stat("cluster.ramp-canary.membership_total"), 20,
-                     "Envoy holding the canary cluster")
+            wait_until(lambda: envoy.stat("cluster.ramp-canary.membership_total"), 20,
+                       "Envoy holding the canary cluster")
             with Traffic(ports["listener"], "m-ramp") as traffic:
-                (leader,) = wait_for(lambda: _leaders(replicas), 10, "one leader",
-                                     check=lambda found: len(found) == 1)
-                wait_for(lambda: _rollout(replicas[leader]), 20, "the first step",
-                         check=lambda s: s is not None and s["step"] >= 1)
+                (leader,) = wait_until(lambda: _leaders(replicas), 10, "one leader",
+                                       check=lambda found: len(found) == 1)
+                wait_until(lambda: _rollout(replicas[leader]), 20, "the first step",
+                           check=lambda s: s is not None and s["step"] >= 1)
                 os.kill(replicas[leader].proc.pid, signal.SIGKILL)  # mid-rollout
                 killed_at = time.monotonic()
                 replicas[leader].proc.wait(5)
-                (new,) = wait_for(lambda: _leaders(replicas), LEASE_S + TICK_S + 5,
-                                  "a follower leading", check=lambda found: len(found) == 1)
+                (new,) = wait_until(lambda: _leaders(replicas), LEASE_S + TICK_S + 5,
+                                    "a follower leading", check=lambda found: len(found) == 1)
                 took = time.monotonic() - killed_at
                 follower = next(i for i in range(3) if i not in (leader, new))
                 leading_metric = [replicas[i].metric("trimtab_leader", identity=f"r{i}")
                                   for i in (new, follower)]
                 held_by = (_leader_doc(replicas[follower]) or {}).get("leader")
-                final = wait_for(lambda: _rollout(replicas[new]), 30, "promotion",
-                                 check=lambda s: s is not None and s["phase"] == "promoted")
+                final = wait_until(lambda: _rollout(replicas[new]), 30, "promotion",
+                                   check=lambda s: s is not None and s["phase"] == "promoted")
                 traffic.stop()
                 answered, failed = traffic.counts()
                 lease_holder = kube.get_object("leases", "trimtab-leader",
                                                "trimtab")["spec"]["holderIdentity"]
             survivors = [r for r in replicas if r.running()]
             for replica in survivors:  # the followers route by the same state
-                wait_for(lambda replica=replica: _rollout(replica), 5, "followers promoted",
-                         check=lambda s: s is not None and s["phase"] == "promoted")
+                wait_until(lambda replica=replica: _rollout(replica), 5, "followers promoted",
+                           check=lambda s: s is not None and s["phase"] == "promoted")
         finally:
             envoy.stop()
             for replica in replicas:

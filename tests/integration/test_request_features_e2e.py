@@ -20,8 +20,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, wait_for
+from tests.integration.conftest import TrimtabProcess
 from tests.support import BackendFleet
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
@@ -117,8 +118,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     workdir / "envoy.log")
         envoy.wait_ready(timeout=SETTLE_S)
         stack = Stack(fleet, trimtab, envoy, ports["listener"])
-        wait_for(lambda: _send(stack, _chat()).status, SETTLE_S, "the chat pool answering",
-                 check=lambda status: status == 200, every=0.1)
+        wait_until(lambda: _send(stack, _chat()).status, SETTLE_S, "the chat pool answering",
+                   check=lambda status: status == 200, every=0.1)
         yield stack
     finally:
         pids = [p.pid for p in (trimtab.proc, envoy.proc) if p is not None]
@@ -372,15 +373,15 @@ def test_a_version_without_healthy_hosts_falls_back_to_the_pools_split(stack: St
     for index in indices:
         stack.fleet.kill(index)
     try:
-        wait_for(lambda: _version_hosts_healthy(stack), SETTLE_S,
-                 "Envoy's health checks failing every ver-next host", check=lambda n: n == 0)
+        wait_until(lambda: _version_hosts_healthy(stack), SETTLE_S,
+                   "Envoy's health checks failing every ver-next host", check=lambda n: n == 0)
         for _ in range(20):
             assert _lands(stack, _chat("m-ver"), {"x-model-version": "2"}) == "ver"
     finally:
         for index in indices:
             stack.fleet.revive(index)
-    wait_for(lambda: _version_hosts_healthy(stack), SETTLE_S, "ver-next healthy again",
-             check=lambda n: n == len(indices))
+    wait_until(lambda: _version_hosts_healthy(stack), SETTLE_S, "ver-next healthy again",
+               check=lambda n: n == len(indices))
     assert _lands(stack, _chat("m-ver"), {"x-model-version": "2"}) == "ver-next"
 
 

@@ -27,8 +27,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, http_json, parse_metric, wait_for
+from tests.integration.conftest import TrimtabProcess, http_json, parse_metric
 from tests.support import BackendFleet, VllmPage
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 from xds_server.cli import EXIT_BAD_INPUT, main
 
@@ -172,9 +173,9 @@ class Traffic:
             return Counter(self.landed), len(self.failures)
 
     def wait_answers(self, address: str, more_than: int, timeout: float = SETTLE_S) -> None:
-        wait_for(lambda: self.counts()[0][address], timeout,
-                 f"more than {more_than} answers from {address}",
-                 check=lambda n: n > more_than)
+        wait_until(lambda: self.counts()[0][address], timeout,
+                   f"more than {more_than} answers from {address}",
+                   check=lambda n: n > more_than)
 
 
 # -- the stack ----------------------------------------------------------------------------------
@@ -387,12 +388,12 @@ def test_long_prompts_go_to_the_long_context_pool(stack: RoutingStack) -> None:
 
 def _wait_rollout(stack: RoutingStack, pool: str, what: str, check: Any,
                   timeout: float = SETTLE_S) -> dict[str, Any]:
-    return wait_for(lambda: stack.rollout(pool), timeout, f"rollout {pool}: {what}", check=check)
+    return wait_until(lambda: stack.rollout(pool), timeout, f"rollout {pool}: {what}", check=check)
 
 
 def _wait_split(stack: RoutingStack, pool: str, per_mille: int) -> None:
-    wait_for(lambda: stack.canary_per_mille(pool), SETTLE_S,
-             f"Envoy's route for {pool} at {per_mille}‰ canary", check=lambda v: v == per_mille)
+    wait_until(lambda: stack.canary_per_mille(pool), SETTLE_S,
+               f"Envoy's route for {pool} at {per_mille}‰ canary", check=lambda v: v == per_mille)
 
 
 def _canary_share(stack: RoutingStack, pool: str, requests: int) -> float:
@@ -451,8 +452,8 @@ def test_restart_resumes_the_rollout_at_the_same_step(stack: RoutingStack) -> No
         _wait_rollout(stack, "resume", "one step", lambda s: s["step"] >= 1,
                       timeout=interval * 3 + SETTLE_S)
     quiet_from = time.monotonic()  # no canary requests from here: no further step possible
-    wait_for(time.monotonic, interval + 3 * INTERVAL_S + 1, "the step window to pass",
-             check=lambda now: now >= quiet_from + interval + 2 * INTERVAL_S, every=0.1)
+    wait_until(time.monotonic, interval + 3 * INTERVAL_S + 1, "the step window to pass",
+               check=lambda now: now >= quiet_from + interval + 2 * INTERVAL_S, every=0.1)
     before = stack.rollout("resume")
     assert before["phase"] == "progressing" and before["step"] >= 1, before
     _wait_split(stack, "resume", round(before["percent"] * 10))
@@ -523,13 +524,13 @@ def test_fallback_takes_over_when_the_primary_is_down(stack: RoutingStack) -> No
     backup = stack.at("backup")[0]
     _all_on(stack, "m-primary", ("primary",))
     with Traffic(stack.port, "m-primary") as traffic:
-        wait_for(lambda: min(stack.count("primary").values()), SETTLE_S,
-                 "traffic on both primaries", check=lambda n: n >= 20)
+        wait_until(lambda: min(stack.count("primary").values()), SETTLE_S,
+                   "traffic on both primaries", check=lambda n: n >= 20)
         for index in stack.roles["primary"]:
             stack.fleet.kill(index)
-        wait_for(lambda: [h.get("failed_active_health_check") for h in
+        wait_until(lambda: [h.get("failed_active_health_check") for h in
                           stack.host_health("primary").values()], SETTLE_S,
-                 "Envoy's health checks failing both primaries", check=all)
+                   "Envoy's health checks failing both primaries", check=all)
         before = traffic.counts()[0][backup]
         traffic.wait_answers(backup, before + 100)
         landed, failed = traffic.counts()
@@ -537,8 +538,8 @@ def test_fallback_takes_over_when_the_primary_is_down(stack: RoutingStack) -> No
     assert landed[backup] > 100
     for index in stack.roles["primary"]:
         stack.fleet.revive(index)
-    wait_for(lambda: stack.host_health("primary"), SETTLE_S, "both primaries healthy again",
-             check=lambda hosts: not any(h.get("failed_active_health_check")
+    wait_until(lambda: stack.host_health("primary"), SETTLE_S, "both primaries healthy again",
+               check=lambda hosts: not any(h.get("failed_active_health_check")
                                          for h in hosts.values()))
     _all_on(stack, "m-primary", ("primary",))
 
@@ -552,14 +553,14 @@ def test_fallback_takes_over_when_the_primary_is_saturated(stack: RoutingStack) 
     spare = stack.at("spare")[0]
     _all_on(stack, "m-busy", ("busy",))
     with Traffic(stack.port, "m-busy") as traffic:
-        wait_for(lambda: min(stack.count("busy").values()), SETTLE_S,
-                 "traffic on both busy endpoints", check=lambda n: n >= 20)
+        wait_until(lambda: min(stack.count("busy").values()), SETTLE_S,
+                   "traffic on both busy endpoints", check=lambda n: n >= 20)
         for index in stack.roles["busy"]:
             stack.fleet.set_vllm(index, kv_usage=0.97)
-        wait_for(lambda: _health(stack, "busy"), SETTLE_S, "trimtab marks both DEGRADED",
-                 check=lambda h: set(h.values()) == {"DEGRADED"})
-        wait_for(lambda: [h.get("eds_health_status") for h in stack.host_health("busy").values()],
-                 SETTLE_S, "Envoy sees both DEGRADED", check=lambda h: h == ["DEGRADED"] * 2)
+        wait_until(lambda: _health(stack, "busy"), SETTLE_S, "trimtab marks both DEGRADED",
+                   check=lambda h: set(h.values()) == {"DEGRADED"})
+        wait_until(lambda: [h.get("eds_health_status") for h in stack.host_health("busy").values()],
+                   SETTLE_S, "Envoy sees both DEGRADED", check=lambda h: h == ["DEGRADED"] * 2)
         before = traffic.counts()[0][spare]
         traffic.wait_answers(spare, before + 100)
         landed, failed = traffic.counts()
@@ -567,8 +568,8 @@ def test_fallback_takes_over_when_the_primary_is_saturated(stack: RoutingStack) 
     _all_on(stack, "m-busy", ("spare",))  # healthy fallback hosts come before degraded ones
     for index in stack.roles["busy"]:
         stack.fleet.set_vllm(index, kv_usage=0.2)
-    wait_for(lambda: [h.get("eds_health_status") for h in stack.host_health("busy").values()],
-             SETTLE_S, "Envoy sees both HEALTHY again", check=lambda h: h == ["HEALTHY"] * 2)
+    wait_until(lambda: [h.get("eds_health_status") for h in stack.host_health("busy").values()],
+               SETTLE_S, "Envoy sees both HEALTHY again", check=lambda h: h == ["HEALTHY"] * 2)
     _all_on(stack, "m-busy", ("busy",))
 
 
@@ -583,8 +584,8 @@ def test_outlier_ejection_moves_traffic_off_a_failing_backend(stack: RoutingStac
     landed, errors = send_many(stack.port, "m-flaky", 100)
     assert not errors, errors  # every 503 was retried on another backend
     assert set(landed) <= set(good) and sum(landed.values()) == 100, landed
-    wait_for(lambda: stack.host_health("flaky")[bad].get("failed_outlier_check"), SETTLE_S,
-             "Envoy ejecting the failing backend")
+    wait_until(lambda: stack.host_health("flaky")[bad].get("failed_outlier_check"), SETTLE_S,
+               "Envoy ejecting the failing backend")
     hits = stack.fleet.request_count(stack.roles["flaky"][0])
     assert hits >= OUTLIER["consecutive_5xx"], hits  # it was tried, failed and was ejected
     after = stack.envoy.stat("cluster.flaky.outlier_detection.ejections_enforced_total") or 0
@@ -627,19 +628,19 @@ def test_slow_start_ramps_a_new_endpoint_up(stack: RoutingStack) -> None:
     allowed = set(stack.at("slow")) | {new}
     assert new not in stack.host_health("slow")
     # Envoy slow-starts every host of a new cluster too: wait until the first ones are past it
-    wait_for(time.monotonic, SLOW_START_S + 1, "the pool's own slow start to end",
-             check=lambda now: now >= stack.ready_at + SLOW_START_S + INTERVAL_S, every=0.05)
+    wait_until(time.monotonic, SLOW_START_S + 1, "the pool's own slow start to end",
+               check=lambda now: now >= stack.ready_at + SLOW_START_S + INTERVAL_S, every=0.05)
     try:
         stack.reload(with_new_slow=True)
-        wait_for(lambda: new in stack.host_health("slow"), SETTLE_S, "Envoy adding the endpoint")
+        wait_until(lambda: new in stack.host_health("slow"), SETTLE_S, "Envoy adding the endpoint")
         added = time.monotonic()
         windows = [send_for(stack.port, "m-slow", SLOW_START_S / 4) for _ in range(3)]
-        wait_for(time.monotonic, SLOW_START_S + 2, "the slow-start window to end",
-                 check=lambda now: now >= added + SLOW_START_S + 2 * INTERVAL_S, every=0.05)
+        wait_until(time.monotonic, SLOW_START_S + 2, "the slow-start window to end",
+                   check=lambda now: now >= added + SLOW_START_S + 2 * INTERVAL_S, every=0.05)
         late = send_for(stack.port, "m-slow", 1.5)
     finally:
         stack.reload(with_new_slow=False)
-        wait_for(lambda: new not in stack.host_health("slow"), SETTLE_S, "the endpoint gone")
+        wait_until(lambda: new not in stack.host_health("slow"), SETTLE_S, "the endpoint gone")
     for landed, errors in (*windows, late):
         assert not errors and set(landed) <= allowed and sum(landed.values()) >= 30, landed
     shares = [_share(landed, new) for landed, _ in (*windows, late)]
@@ -700,14 +701,14 @@ def test_affinity_keeps_a_session_on_one_backend(stack: RoutingStack) -> None:
     index, changed = stack.roles["sticky"][0], stack.at("sticky")[0]
     before = _weights(stack, "sticky")
     stack.fleet.set_memory(index, BASELINE_MIB + 600, TOTAL_MIB)  # 1.2 % -> 2.0 % of GPU memory
-    after = wait_for(lambda: _weights(stack, "sticky"), SETTLE_S,
-                     f"trimtab's weight for {changed} to change",
-                     check=lambda w: w[changed] != before[changed])
+    after = wait_until(lambda: _weights(stack, "sticky"), SETTLE_S,
+                       f"trimtab's weight for {changed} to change",
+                       check=lambda w: w[changed] != before[changed])
     assert 0 < before[changed] - after[changed] <= 2, (before, after)  # a little
     assert {a: w for a, w in after.items() if a != changed} == \
         {a: w for a, w in before.items() if a != changed}
-    wait_for(lambda: _envoy_weights(stack, "sticky"), SETTLE_S, "Envoy to get the new weights",
-             check=lambda w: w == after)
+    wait_until(lambda: _envoy_weights(stack, "sticky"), SETTLE_S, "Envoy to get the new weights",
+               check=lambda w: w == after)
 
     second = _session_homes(stack, sessions)
     moved = {s: (first[s], second[s]) for s in sessions if second[s] != first[s]}

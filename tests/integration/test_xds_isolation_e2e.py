@@ -36,7 +36,6 @@ from envoy.service.discovery.v3.discovery_pb2 import (
 )
 from google.rpc import status_pb2
 
-from tests import xds_fixtures as fixtures
 from tests.integration.conftest import (
     BASELINE_PCT,
     MODELS,
@@ -44,22 +43,18 @@ from tests.integration.conftest import (
     Stack,
     TrimtabProcess,
     http_json,
-    wait_for,
     write_config,
 )
 from tests.support import BackendFleet
+from tests.support import xds_fixtures as fixtures
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, XdsApi, free_port, render_bootstrap
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.protocol import Response
-from xds_server.xds.server import (
-    StreamInfo,
-    XdsServicer,
-    encode_delta,
-    encode_sotw,
-    start_xds_server,
-)
+from xds_server.xds.server import XdsServicer, encode_delta, encode_sotw, start_xds_server
 from xds_server.xds.snapshot import Snapshot, build_snapshot
+from xds_server.xds.stream_info import StreamInfo
 
 pytestmark = pytest.mark.slow
 
@@ -182,10 +177,10 @@ def test_an_impostor_nacking_everything_as_victim_leaves_envoy_victim_live_and_r
     impostor = Impostor(target, api, "victim", _current_names(trimtab)).start()
     envoy = EnvoyProcess(extra_args=["--concurrency", "1"])
     try:
-        wait_for(lambda: dict(impostor.nacked), SETTLE_S, "the impostor NACKed every type",
-                 check=lambda seen: set(seen) == {"cds", "eds", "lds", "rds"})
-        records = wait_for(lambda: _victim_nacks(trimtab), SETTLE_S, "its NACKs in /v1/nacks",
-                           check=lambda found: len(found) >= before + 4)
+        wait_until(lambda: dict(impostor.nacked), SETTLE_S, "the impostor NACKed every type",
+                   check=lambda seen: set(seen) == {"cds", "eds", "lds", "rds"})
+        records = wait_until(lambda: _victim_nacks(trimtab), SETTLE_S, "its NACKs in /v1/nacks",
+                             check=lambda found: len(found) >= before + 4)
         assert {r["type"] for r in records[:4]} == {"cds", "eds", "lds", "rds"}
         assert all(r["peer"].startswith("ipv4:127.0.0.1:") and r["identities"] == []
                    and r["api"] == api for r in records[:4]), records[:4]
@@ -194,8 +189,8 @@ def test_an_impostor_nacking_everything_as_victim_leaves_envoy_victim_live_and_r
         started = time.monotonic()
         envoy.start(bootstrap, tmp_path / "envoy.log")
         envoy.wait_ready(timeout=LIVE_WITHIN_S)
-        wait_for(lambda: _routes(ports["listener"], MODELS["alpha"]),
-                 LIVE_WITHIN_S - (time.monotonic() - started), "Envoy victim routing traffic")
+        wait_until(lambda: _routes(ports["listener"], MODELS["alpha"]),
+                   LIVE_WITHIN_S - (time.monotonic() - started), "Envoy victim routing traffic")
         assert time.monotonic() - started <= LIVE_WITHIN_S
         assert envoy.stat("cluster_manager.cds.update_rejected") == 0
         assert impostor.error is None, impostor.error
@@ -282,11 +277,11 @@ def test_200k_endpoints_reach_an_envoy_with_default_limits(api: XdsApi, limit: i
             ads["envoy_grpc"]["max_receive_message_length"] = limit
         envoy.start(bootstrap, tmp_path / "envoy.log")
         envoy.wait_ready(timeout=60)
-        wait_for(lambda: _membership_total(envoy), 60, "every endpoint in Envoy",
-                 check=lambda total: total == clusters * per_cluster, every=0.2)
-        eds = wait_for(lambda: _eds_state(servicer, loop), 30, "every EDS part ACKed",
-                       check=lambda st: st is not None and st["pending"] is None
-                       and not st["more"])
+        wait_until(lambda: _membership_total(envoy), 60, "every endpoint in Envoy",
+                   check=lambda total: total == clusters * per_cluster, every=0.2)
+        eds = wait_until(lambda: _eds_state(servicer, loop), 30, "every EDS part ACKed",
+                         check=lambda st: st is not None and st["pending"] is None
+                         and not st["more"])
         assert eds["acked"] == current.versions[T.ENDPOINT]
         assert eds["sent"] == {n: r.version for n, r in current.of_type(T.ENDPOINT).items()}
         assert envoy.stat("cluster_manager.cds.update_rejected") == 0

@@ -13,7 +13,7 @@ It runs as ``trimtab serve`` with ``weights.policy: reference``
 (:mod:`weight_calculator.reference`, the formula with trimtab's staleness and fail-static
 handling, no smoothing). Everything else, the scraper, the xDS server and the generated Envoy
 cluster, is the same code as the ``trimtab`` policy, so a difference between the two is the
-weight policy (and the LB algorithm, when trimtab's differs). ``tests/test_bench.py`` checks
+weight policy (and the LB algorithm, when trimtab's differs). ``tests/dev/test_bench.py`` checks
 the equivalence against :func:`reference_weights` on a grid of inputs.
 """
 

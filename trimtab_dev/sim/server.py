@@ -23,24 +23,26 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import math
 import socket
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.core import (
-    CounterMetricFamily,
-    GaugeMetricFamily,
-    HistogramMetricFamily,
-    Metric,
-)
 
-from trimtab_dev.sim.engine import Engine, Histogram, SimRequest
+from trimtab_dev.sim.engine import Engine, SimRequest
+from trimtab_dev.sim.exposition import MetricsCollector, orca_header
+from trimtab_dev.sim.openai import (
+    CHAT_DEFAULT_MAX_TOKENS,
+    COMPLETION_DEFAULT_MAX_TOKENS,
+    ChunkWriter,
+    include_usage,
+    read_prompt_tokens,
+    unary_body,
+)
 from trimtab_dev.sim.profiles import Efficiency, GpuProfile, ModelProfile
 
 log = logging.getLogger(__name__)
@@ -49,9 +51,6 @@ ORCA_HEADER = "endpoint-load-metrics"
 SERVER_HEADER = "x-sim-server"
 MAX_STEP_DEBT_S = 0.002  # how far a late step may start in the past to keep the pace
 SHUTDOWN_TIMEOUT_S = 0.5  # a stopped server does not wait for its handlers
-TOKEN_TEXT = " token"
-CHAT_DEFAULT_MAX_TOKENS = 256
-COMPLETION_DEFAULT_MAX_TOKENS = 16
 
 
 @dataclass(frozen=True)
@@ -237,7 +236,7 @@ class SimServer:
             body = await request.json()
             if not isinstance(body, dict):
                 raise ValueError("body must be a JSON object")
-            prompt_tokens = _prompt_tokens(body, chat)
+            prompt_tokens = read_prompt_tokens(body, chat)
             default = CHAT_DEFAULT_MAX_TOKENS if chat else COMPLETION_DEFAULT_MAX_TOKENS
             max_tokens = int(body.get("max_tokens") or body.get("max_completion_tokens")
                              or default)
@@ -262,8 +261,8 @@ class SimServer:
     async def _stream(self, request: web.Request, req: SimRequest, body: dict,
                       chat: bool) -> web.StreamResponse:
         client = self._clients[req]
-        chunks = _ChunkWriter(req, self.config.served_model_name, chat,
-                              _include_usage(body))
+        chunks = ChunkWriter(req, self.config.served_model_name, chat,
+                              include_usage(body))
         resp = web.StreamResponse(headers=self._headers("text/event-stream"))
         try:
             await resp.prepare(request)
@@ -292,7 +291,7 @@ class SimServer:
                 client.event.clear()
                 if req.aborted:
                     return self._error(503, "ServiceUnavailableError", "server stopped")
-            payload = _unary_body(req, self.config.served_model_name, chat)
+            payload = unary_body(req, self.config.served_model_name, chat)
             return web.Response(body=json.dumps(payload).encode(),
                                 headers=self._headers("application/json"))
         finally:
@@ -318,7 +317,7 @@ class SimServer:
         if not self._warm():
             return web.Response(status=503, text="server is starting up\n")
         registry = CollectorRegistry(auto_describe=False)
-        registry.register(_Collector(self))
+        registry.register(MetricsCollector(self))
         return web.Response(body=generate_latest(registry),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
@@ -356,233 +355,6 @@ class SimServer:
                 "in_flight": self.in_flight, "running": e.num_running,
                 "waiting": e.num_waiting, "kv_usage": round(e.kv_usage, 4),
                 "preemptions": e.stats.preemptions, "completed": e.stats.success}
-
-
-# ---- ORCA -------------------------------------------------------------------------------
-def occupancy(engine: Engine) -> float:
-    """Batch occupancy: the binding share of KV blocks or sequence slots in use, plus the
-    waiting queue in units of ``max_num_seqs``. 1.0 means full; above 1.0, requests queue."""
-    seqs = engine.gpu.max_num_seqs
-    return max(engine.kv_usage, engine.num_running / seqs) + engine.num_waiting / seqs
-
-
-ORCA_UTILIZATION: dict[str, Callable[[Engine], float | None]] = {
-    "occupancy": occupancy,
-    "kv_cache": lambda e: e.kv_usage,
-    "gpu_busy": lambda e: e.busy_fraction(),
-    "none": lambda e: None,
-}
-
-
-def orca_header(server: SimServer) -> str:
-    """The ``endpoint-load-metrics`` value in ORCA's native-HTTP TEXT form.
-
-    Envoy (source/common/orca/orca_parser.cc) wants ``TEXT `` then comma-separated
-    ``key=value`` pairs (``key:value`` is accepted too). Fields:
-
-    * ``application_utilization``: by default :func:`occupancy` (fleet option
-      ``orca_utilization``: occupancy, kv_cache, gpu_busy, or none to leave it out).
-      client_side_weighted_round_robin prefers it over everything else and sets
-      weight = rps_fractional / utilization.
-    * ``cpu_utilization``: GPU busy fraction over the last second (what
-      DCGM_FI_DEV_GPU_UTIL / 100 shows); CSWRR's fallback.
-    * ``mem_utilization``: KV-cache usage, 0..1 (FB memory is preallocated and flat).
-    * ``rps_fractional``: completed requests/s over the last 10 s (CSWRR ignores a report
-      whose rps is 0). ``eps``: 5xx/429 answers per second over the same window.
-    * ``named_metrics.*``: vLLM's own ORCA names (kv_cache_usage_perc,
-      num_requests_waiting) plus num_requests_running.
-    """
-    e = server.engine
-    app = ORCA_UTILIZATION[server.config.orca_utilization](e)
-    pairs = (
-        *((("application_utilization", app),) if app is not None else ()),
-        ("cpu_utilization", e.busy_fraction()),
-        ("mem_utilization", e.kv_usage),
-        ("rps_fractional", e.completion_rate()),
-        ("eps", server.error_rate()),
-        ("named_metrics.kv_cache_usage_perc", e.kv_usage),
-        ("named_metrics.num_requests_waiting", float(e.num_waiting)),
-        ("named_metrics.num_requests_running", float(e.num_running)),
-    )
-    return "TEXT " + ", ".join(f"{k}={v:.4g}" for k, v in pairs)
-
-
-# ---- /metrics ---------------------------------------------------------------------------
-class _Collector:
-    """Renders one server's live state with vLLM's and DCGM's metric names."""
-
-    def __init__(self, server: SimServer) -> None:
-        self.server = server
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._vllm_gauges()
-        yield from self._vllm_counters()
-        yield from self._vllm_histograms()
-        yield from self._dcgm()
-
-    def _labels(self) -> tuple[list[str], list[str]]:
-        return ["model_name", "engine"], [self.server.config.served_model_name, "0"]
-
-    def _vllm_gauges(self) -> Iterator[Metric]:
-        e = self.server.engine
-        names, values = self._labels()
-        for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.",
-             e.num_running),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
-             e.num_waiting),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-             e.kv_usage),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, float(value))
-            yield g
-        info = GaugeMetricFamily("vllm:cache_config_info",
-                                 "Information of the LLMEngine CacheConfig",
-                                 labels=["block_size", "cache_dtype", "num_gpu_blocks",
-                                         "gpu_memory_utilization", "enable_prefix_caching",
-                                         "engine"])
-        gpu = self.server.config.gpu
-        info.add_metric([str(gpu.block_size), "auto", str(e.total_blocks),
-                         str(gpu.gpu_memory_utilization), "True", "0"], 1.0)
-        yield info
-
-    def _vllm_counters(self) -> Iterator[Metric]:
-        s = self.server.engine.stats
-        names, values = self._labels()
-        for name, doc, value in (
-            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.",
-             s.prompt_tokens),
-            ("vllm:generation_tokens_total", "Number of generation tokens processed.",
-             s.generation_tokens),
-            ("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
-             s.preemptions),
-        ):
-            c = CounterMetricFamily(name, doc, labels=names)
-            c.add_metric(values, float(value))
-            yield c
-        ok = CounterMetricFamily("vllm:request_success_total",
-                                 "Count of successfully processed requests.",
-                                 labels=[*names, "finished_reason"])
-        ok.add_metric([*values, "length"], float(s.success))
-        yield ok
-
-    def _vllm_histograms(self) -> Iterator[Metric]:
-        s = self.server.engine.stats
-        names, values = self._labels()
-        for name, doc, hist in (
-            ("vllm:time_to_first_token_seconds",
-             "Histogram of time to first token in seconds.", s.ttft),
-            ("vllm:inter_token_latency_seconds",
-             "Histogram of inter-token latency in seconds.", s.itl),
-            ("vllm:e2e_request_latency_seconds",
-             "Histogram of e2e request latency in seconds.", s.e2e),
-        ):
-            yield _histogram(name, doc, names, values, hist)
-
-    def _dcgm(self) -> Iterator[Metric]:
-        srv, gpu = self.server, self.server.config.gpu
-        names = ["gpu", "UUID", "device", "modelName", "Hostname"]
-        values = ["0", srv.uuid, "nvidia0", gpu.dcgm_model_name, f"sim-{srv.config.name}"]
-        used = math.floor(gpu.memory_mib * gpu.gpu_memory_utilization)
-        for name, doc, value in (
-            ("DCGM_FI_DEV_FB_USED", "Framebuffer memory used (in MiB).", used),
-            ("DCGM_FI_DEV_FB_FREE", "Framebuffer memory free (in MiB).", gpu.memory_mib - used),
-            ("DCGM_FI_DEV_GPU_UTIL", "GPU utilization (in %).",
-             round(100 * srv.engine.busy_fraction())),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=names)
-            g.add_metric(values, float(value))
-            yield g
-
-
-def _histogram(name: str, doc: str, names: list[str], values: list[str],
-               hist: Histogram) -> HistogramMetricFamily:
-    h = HistogramMetricFamily(name, doc, labels=names)
-    h.add_metric(values, [(le, float(n)) for le, n in hist.cumulative()], hist.sum)
-    return h
-
-
-# ---- OpenAI wire format -----------------------------------------------------------------
-def _prompt_tokens(body: dict, chat: bool) -> int:
-    hint = body.get("prompt_tokens")
-    if hint is not None:
-        return int(hint)
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list):
-            raise ValueError("messages must be a list")
-        chars = sum(len(str(m.get("content", ""))) for m in messages if isinstance(m, dict))
-        return max(1, math.ceil(chars / 4))
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-        return len(prompt)
-    if isinstance(prompt, list):
-        prompt = "".join(str(p) for p in prompt)
-    if not isinstance(prompt, str):
-        raise ValueError("prompt must be a string or a list")
-    return max(1, math.ceil(len(prompt) / 4))
-
-
-def _include_usage(body: dict) -> bool:
-    options = body.get("stream_options")
-    return isinstance(options, dict) and bool(options.get("include_usage"))
-
-
-class _ChunkWriter:
-    """Pre-rendered SSE chunks for one streamed response (cheap per token)."""
-
-    def __init__(self, req: SimRequest, model: str, chat: bool, usage: bool) -> None:
-        self.req, self.chat, self.usage = req, chat, usage
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.head = (f'data: {{"id":"{rid}","object":"{kind}","created":{int(time.time())},'
-                     f'"model":{json.dumps(model)},"choices":')
-        text = json.dumps(TOKEN_TEXT)
-        if chat:
-            self.role = (self.head + '[{"index":0,"delta":{"role":"assistant","content":""},'
-                         '"logprobs":null,"finish_reason":null}]}\n\n')
-            body = '[{"index":0,"delta":{"content":' + text + '},"logprobs":null,'
-        else:
-            self.role = ""
-            body = '[{"index":0,"text":' + text + ',"logprobs":null,'
-        self.token = self.head + body + '"finish_reason":null,"stop_reason":null}]}\n\n'
-        self.last = self.head + body + '"finish_reason":"length","stop_reason":null}]}\n\n'
-        self.started = False
-
-    def tokens(self, n: int, done: bool) -> bytes:
-        parts = []
-        if not self.started:
-            self.started = True
-            parts.append(self.role)
-        parts.append(self.token * (n - 1 if done else n))
-        if done:
-            parts.append(self.last)
-        return "".join(parts).encode()
-
-    def trailer(self) -> bytes:
-        out = ""
-        if self.usage:
-            p, g = self.req.prompt_tokens, self.req.generated
-            usage = {"prompt_tokens": p, "total_tokens": p + g, "completion_tokens": g}
-            out = self.head + "[],\"usage\":" + json.dumps(usage) + "}\n\n"
-        return (out + "data: [DONE]\n\n").encode()
-
-
-def _unary_body(req: SimRequest, model: str, chat: bool) -> dict:
-    text = TOKEN_TEXT * req.generated
-    usage = {"prompt_tokens": req.prompt_tokens, "total_tokens": req.num_tokens,
-             "completion_tokens": req.generated}
-    if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": None, "finish_reason": "length", "stop_reason": None}
-        kind, prefix = "chat.completion", "chatcmpl-"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": "length",
-                  "stop_reason": None}
-        kind, prefix = "text_completion", "cmpl-"
-    return {"id": prefix + uuid.uuid4().hex, "object": kind, "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage}
 
 
 def _free_port(host: str) -> int:

@@ -7,67 +7,29 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from weight_calculator.types import EndpointWeight
+from xds_server.admin import metrics
+from xds_server.admin.documents import snapshot_document, weights_document
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes
-from xds_server.config.pools import EndpointConfig
 from xds_server.control.controller import Controller
-from xds_server.control.explain import breakdown_document
 from xds_server.control.rollouts.machine import RolloutCommandError
 from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
 from xds_server.security.admin_auth import bearer_middleware
-from xds_server.test_hooks import invalid_weight_mutator
 from xds_server.xds import type_urls
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.server import XdsServicer
 
 log = logging.getLogger("trimtab.admin")
 
-TEST_HOOKS_ENV = "TRIMTAB_TEST_HOOKS"
 ROLLOUT_ACTIONS = ("pause", "resume", "promote", "abort")
-
-
-def weights_document(controller: Controller) -> dict[str, Any]:
-    """The `/v1/weights` JSON: pools -> address -> weight, stale, signals, updated_at, the
-    input problems and the breakdown `trimtab weights` shows."""
-    pools: dict[str, Any] = {}
-    for pool in controller.config.pools:
-        endpoints = {}
-        for cluster, version, members in pool.clusters():
-            computed = controller.weights.get(cluster)
-            for endpoint in members:
-                ew = computed.endpoints.get(endpoint.address) if computed else None
-                endpoints[endpoint.address] = _endpoint_document(endpoint, ew, cluster, version)
-        pools[pool.name] = endpoints
-    fail_static = sorted(p for p, w in controller.weights.items() if w.fail_static)
-    return {"pools": pools, "fail_static_pools": fail_static}
-
-
-def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, cluster: str,
-                       version: str) -> dict[str, Any]:
-    return {
-        "weight": ew.weight if ew else 1,
-        "stale": ew.stale if ew else True,
-        "saturated": ew.saturated if ew else True,
-        "drain": endpoint.drain,
-        "signals": dict(ew.signals) if ew else {},
-        "updated_at": ew.updated_at if ew else None,
-        "reason": ew.reason if ew else "no telemetry yet",
-        "cluster": cluster,
-        "version": version,
-        "health": ew.health if ew else "STALE",
-        "problems": list(ew.problems) if ew else [],
-        "breakdown": breakdown_document(endpoint, ew),
-    }
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -91,38 +53,19 @@ async def _errors(request: web.Request, handler: Callable[[web.Request], Awaitab
         return json_error(500, "internal error; see the trimtab log")
 
 
-def snapshot_document(servicer: XdsServicer | None) -> dict[str, Any]:
-    """Per connected stream: node (as its first request claimed it), peer and certificate
-    identities, API, and per type what was sent and ACKed."""
-    streams = []
-    for info in sorted(servicer.streams if servicer else [], key=lambda i: (i.node_id, i.peer)):
-        types = {}
-        for type_url, state in sorted(info.machine.types.items()):
-            types[type_urls.short_name(type_url)] = {
-                "acked_version": state.acked_version,
-                "pending_nonce": state.pending_nonce,
-                "wildcard": state.wildcard,
-                "resources": dict(sorted(state.sent.items())),
-            }
-        streams.append({"node": info.node_id, "peer": info.peer,
-                        "identities": info.identities, "api": info.api,
-                        "service": info.service, "types": types})
-    return {"streams": streams}
-
-
 class AdminApi:
     def __init__(self, controller: Controller, is_ready: Callable[[], bool],
                  servicer: XdsServicer | None = None, nacks: NackLog | None = None,
                  history: WeightHistory | None = None, token: str | None = None,
                  protect_reads: bool = False) -> None:
         self.controller = controller
+        self._fleet = metrics.FleetCollector(lambda: self.controller.weights)
         self.token = token
         self.protect_reads = protect_reads
         self.is_ready = is_ready
         self.servicer = servicer
         self.nacks = nacks
         self.history = history if history is not None else WeightHistory()
-        self._injected: set[str] = set()  # test hooks: pools with an injected invalid CLA
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
@@ -136,9 +79,6 @@ class AdminApi:
         app.router.add_get("/v1/config", self.effective_config)
         app.router.add_get("/v1/rollouts", self.rollout_list)
         app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
-        if os.environ.get(TEST_HOOKS_ENV) == "1":
-            log.warning("%s=1: test-only hooks are enabled", TEST_HOOKS_ENV)
-            app.router.add_post("/v1/test/invalid-weight", self.inject_invalid)
         add_status_routes(app, self.history)
         return app
 
@@ -153,7 +93,8 @@ class AdminApi:
                      200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(body=metrics.exposition(self._fleet),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def weights(self, request: web.Request) -> web.Response:
         return _json(weights_document(self.controller))
@@ -195,23 +136,9 @@ class AdminApi:
         except StateStoreError as exc:  # the API server's or the disk's: nothing changed
             log.error("rollout command %s %s not applied: %s", action, pool, exc)
             return json_error(503, f"{exc}; the command was not applied")
-        self.controller.set_canary_percent(self.controller.rollouts.percents())
-        self.controller.publish()
+        self.controller.reconcile()
         return _json({"rollouts": {pool: self.controller.rollouts.document()[pool]},
                       "phase": state.phase, "percent": state.percent})
-
-    async def inject_invalid(self, request: web.Request) -> web.Response:
-        """Test-only: make one pool's CLA carry weight 0, which Envoy must NACK."""
-        body = await request.json()
-        pool = str(body.get("pool", ""))
-        if pool not in {p.name for p in self.controller.config.pools}:
-            return json_error(404, f"unknown pool {pool!r}")
-        self._injected.discard(pool)
-        if body.get("enabled"):
-            self._injected.add(pool)
-        self.controller.mutators[:] = [invalid_weight_mutator(p) for p in sorted(self._injected)]
-        published = self.controller.publish()
-        return _json({"pool": pool, "enabled": bool(body.get("enabled")), "published": published})
 
 
 class _ClientErrorsInOneLine(logging.Filter):

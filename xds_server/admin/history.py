@@ -54,11 +54,14 @@ class WeightHistory:
         return len(self._points)
 
     def record(self, at: float, weights_doc: Mapping[str, Any]) -> None:
-        """Add a point from a `/v1/weights` document (`{"pools": {pool: {address: {"weight"}}}}`).
+        """Add a point from a `/v1/weights` document (`{"pools": {pool: {address: {"weight"}}}}`)."""
+        self.add(history_point(at, weights_doc))
+
+    def add(self, point: HistoryPoint) -> None:
+        """Add a point made by :func:`history_point` (e.g. on the telemetry worker).
 
         A point at the same time as the last one replaces it; a clock that stepped backwards
         restarts the history (points stay ordered, so `since` queries stay correct)."""
-        point = HistoryPoint(float(at), *_weights_of(weights_doc))
         if self._points and point.at <= self._points[-1].at:
             if point.at < self._points[-1].at:
                 self._points.clear()
@@ -75,6 +78,12 @@ class WeightHistory:
             "latest_at": self._points[-1].at if self._points else None,
             "points": [{"at": p.at, "weights": p.weights, "stale": p.stale} for p in points],
         }
+
+
+def history_point(at: float, weights_doc: Mapping[str, Any]) -> HistoryPoint:
+    """The point of a `/v1/weights` document: its maps hold only str and int, which the
+    cyclic GC does not track (the document itself can be dropped where it was made)."""
+    return HistoryPoint(float(at), *_weights_of(weights_doc))
 
 
 def _weights_of(weights_doc: Mapping[str, Any]) -> tuple[PoolWeightMap, PoolStaleMap]:

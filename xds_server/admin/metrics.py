@@ -1,8 +1,27 @@
-"""Prometheus metrics (prometheus-client). Every name is documented in docs/metrics.md."""
+"""Prometheus metrics (prometheus-client). Every name is documented in docs/metrics.md.
+
+Events (pushes, NACKs, ticks, errors) are counters and histograms on the global registry,
+updated where they happen. What describes the fleet now (each endpoint's weight, staleness
+and inputs; each pool's stale count and fail-static state) is not stored in gauges at all:
+:class:`FleetCollector` renders it from the weights in force when Prometheus scrapes, so an
+endpoint or pool that is gone has no series and no code has to remove any.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from collections.abc import Callable, Iterator, Mapping
+
+from prometheus_client import (
+    REGISTRY,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from weight_calculator.types import PoolWeights
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
@@ -25,6 +44,9 @@ STALE_NONCES = Counter("trimtab_xds_stale_nonces_total",
                        "Requests ignored because their nonce was stale", ["type"])
 PROTOCOL_ERRORS = Counter("trimtab_xds_protocol_errors_total",
                           "Streams closed for breaking the xDS protocol", ["api"])
+OBSERVER_FAILURES = Counter("trimtab_xds_observer_failures_total",
+                            "Stream observer calls that raised (ours: logged, the stream goes on)",
+                            ["observer"])
 SNAPSHOTS = Counter("trimtab_snapshots_published_total", "Snapshots published (content changed)")
 SNAPSHOT_REJECTED = Counter("trimtab_snapshots_rejected_total",
                             "Snapshots refused as inconsistent (the last good one stays)")
@@ -33,19 +55,61 @@ TICK_SECONDS = Histogram("trimtab_tick_duration_seconds",
                          buckets=_LATENCY_BUCKETS)
 SCRAPE_ERRORS = Counter("trimtab_telemetry_errors_total",
                         "Failed or partly rejected telemetry reads, by pool", ["pool"])
-ENDPOINT_WEIGHT = Gauge("trimtab_endpoint_weight", "Current load_balancing_weight",
-                        ["pool", "endpoint"])
-ENDPOINT_SIGNAL = Gauge("trimtab_endpoint_signal", "Current telemetry input of an endpoint",
-                        ["pool", "endpoint", "signal"])
-ENDPOINT_STALE = Gauge("trimtab_endpoint_stale", "1 while an endpoint's telemetry is stale",
-                       ["pool", "endpoint"])
-STALE_ENDPOINTS = Gauge("trimtab_stale_endpoints", "Endpoints with stale telemetry", ["pool"])
-POOL_FAIL_STATIC = Gauge("trimtab_pool_fail_static",
-                         "1 while a pool holds its last weights because all telemetry is lost",
-                         ["pool"])
 CONVERGENCE_SECONDS = Histogram(
     "trimtab_convergence_seconds",
     "From the telemetry read that changed a ClusterLoadAssignment to the client's ACK of it "
     "(once per ACKed response that carried a change; its oldest)", ["api"],
     buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 4.0, 5.0, 7.5, 10.0,
              30.0))
+
+
+class FleetCollector:
+    """Per-endpoint and per-pool series from ``weights()`` (cluster -> its weights), at
+    scrape time. The ``pool`` label is the cluster (a canary has its own)."""
+
+    def __init__(self, weights: Callable[[], Mapping[str, PoolWeights]]) -> None:
+        self._weights = weights
+
+    def describe(self) -> list[Metric]:
+        return []  # series exist only while their endpoints do: nothing to declare up front
+
+    def collect(self) -> Iterator[Metric]:
+        weights = self._weights()  # replaced whole by each tick, never mutated: one view
+        weight = GaugeMetricFamily("trimtab_endpoint_weight", "Current load_balancing_weight",
+                                   labels=["pool", "endpoint"])
+        stale = GaugeMetricFamily("trimtab_endpoint_stale",
+                                  "1 while an endpoint's telemetry is stale",
+                                  labels=["pool", "endpoint"])
+        signal = GaugeMetricFamily("trimtab_endpoint_signal",
+                                   "Current telemetry input of an endpoint",
+                                   labels=["pool", "endpoint", "signal"])
+        stale_count = GaugeMetricFamily("trimtab_stale_endpoints",
+                                        "Endpoints with stale telemetry", labels=["pool"])
+        fail_static = GaugeMetricFamily(
+            "trimtab_pool_fail_static",
+            "1 while a pool holds its last weights because all telemetry is lost",
+            labels=["pool"])
+        for pool, pw in sorted(weights.items()):
+            stale_here = 0
+            for address, ew in pw.endpoints.items():
+                weight.add_metric([pool, address], ew.weight)
+                stale.add_metric([pool, address], int(ew.stale))
+                stale_here += ew.stale
+                for name, value in ew.signals.items():
+                    signal.add_metric([pool, address, name], value)
+            stale_count.add_metric([pool], stale_here)
+            fail_static.add_metric([pool], int(pw.fail_static))
+        yield from (weight, stale, signal, stale_count, fail_static)
+
+
+class _Global:
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+
+
+def exposition(fleet: FleetCollector) -> bytes:
+    """The /metrics page: every metric of the global registry, then the fleet's series."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Global())
+    registry.register(fleet)
+    return generate_latest(registry)

@@ -135,7 +135,7 @@ def _source_checks(config: Config) -> Problems:
 
 
 def _rollout_source_checks(config: Config) -> Problems:
-    """A canary's SLO gates read `slo:*` signals (latency histograms, request and error
+    """A canary's SLO gates read SLO counters (latency histograms, request and error
     counters), and only the scrape source parses them from the metrics pages: with any other
     source a rollout would never see a request and so never step."""
     problems = []

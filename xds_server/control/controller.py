@@ -19,13 +19,13 @@ from pathlib import Path
 from google.protobuf.message import Message
 
 from weight_calculator.queueing import STANDBY
-from weight_calculator.types import Observation, PoolWeights
+from weight_calculator.types import PoolWeights
 from xds_server.admin import metrics
 from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
 from xds_server.control.autoscale import Autoscaler
 from xds_server.control.rollouts.runner import Rollouts
-from xds_server.control.slo import SloTracker, split_signals
+from xds_server.control.slo import SloTracker
 from xds_server.control.weights import LatencyWindow, cluster_weights
 from xds_server.envoy.clusters import (
     DEGRADED,
@@ -42,18 +42,18 @@ from xds_server.envoy.routes import build_listener, build_route_config
 from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
-from xds_server.telemetry.scrape import Scraper, ScrapeResult, TelemetryStore, off_loop
+from xds_server.telemetry.scrape import Scraper, ScrapeResult
 from xds_server.telemetry.sources import TelemetrySource, build_sources
+from xds_server.telemetry.store import ObservationRows, TelemetryStore
+from xds_server.telemetry.worker import off_loop
 from xds_server.xds import type_urls
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.snapshot import InconsistentSnapshotError, Snapshot, build_snapshot
 
 log = logging.getLogger("trimtab.controller")
 
-Mutator = Callable[[dict[str, list[Message]]], None]
 SLICE_SECONDS = 0.005  # the longest the loop records reads before it serves again
-ClusterJob = tuple[str, PoolConfig, list[EndpointConfig], dict[str, Observation],
-                   PoolWeights | None]
+ClusterJob = tuple[str, PoolConfig, list[EndpointConfig], ObservationRows, PoolWeights | None]
 
 
 @dataclass(frozen=True)
@@ -88,8 +88,8 @@ class Controller:
         self.store = TelemetryStore()
         self.weights: dict[str, PoolWeights] = {}
         self.stats = TickStats()
-        self.mutators: list[Mutator] = []  # test-only hooks (see admin's /v1/test routes)
-        self.canary_percent: dict[str, float] = {}
+        self.canary_percent: dict[str, float] = {}  # what the routes were built with
+        self._routes_key: tuple[object, ...] | None = None
         self.on_tick: list[Callable[[], None]] = []
         # After each tick, on the telemetry worker: read-only work (e.g. a document of the
         # weights) that returns what to apply on the loop.
@@ -101,11 +101,12 @@ class Controller:
         self.sources: dict[str, TelemetrySource] = {}
         self._retired: list[TelemetrySource | Scraper] = []  # replaced, to be closed
         self._closing: set[asyncio.Task[None]] = set()
-        self._series: dict[str, dict[str, set[str]]] = {}  # cluster -> address -> signals
+        self._error_series: set[str] = set()  # clusters with a telemetry-errors series
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self._notes_lock = threading.Lock()  # one weighing's notes at a time (see ingest_off_loop)
         self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
         self._auto_clusters: list[Message] = []
+        self._heap_frozen = False  # see freeze_startup_heap
         self.apply_config(config)
 
     @staticmethod
@@ -128,7 +129,6 @@ class Controller:
         self.auto = {name: c for name, c in self.auto.items()
                      if any(p.name == name and p.auto_classes for p in config.pools)}
         self._auto_clusters = self._build_auto_clusters()
-        self._routes = build_route_config(config, self.canary_percent, self.auto)
         addresses = {ep.address for pool in config.pools for ep in pool.all_endpoints()}
         self.store.forget(addresses)
         self.slo.forget(addresses)
@@ -136,6 +136,7 @@ class Controller:
         self.latency.history.window_s = config.telemetry.latency_window_seconds
         self.service.forget(addresses)
         self.rollouts.apply_config(config)
+        self._sync_routes()
         self.autoscaler.apply_config(config)
         members = self._members()
         self.weights = {k: v for k, v in self.weights.items() if k in members}
@@ -192,34 +193,37 @@ class Controller:
             self._forget_series_locked(members)
 
     def _forget_series_locked(self, members: Mapping[str, set[str]]) -> None:
-        for cluster in [c for c in self._series if c not in members]:
-            for address in list(self._series[cluster]):
-                self._drop_endpoint(cluster, address)
-            del self._series[cluster]
-            for gauge in (metrics.STALE_ENDPOINTS, metrics.POOL_FAIL_STATIC,
-                          metrics.SCRAPE_ERRORS):
-                gauge.remove(cluster)
-        for cluster, emitted in self._series.items():
-            for address in [a for a in emitted if a not in members[cluster]]:
-                self._drop_endpoint(cluster, address)
+        """The per-endpoint series need no removal (admin.metrics.FleetCollector renders them
+        from the weights); the telemetry-errors counter of a cluster that is gone does."""
+        for cluster in [c for c in self._error_series if c not in members]:
+            metrics.SCRAPE_ERRORS.remove(cluster)
+            self._error_series.discard(cluster)
         keys = {f"{cluster}/{address}" for cluster, addresses in members.items()
                 for address in addresses}
         for table in (self.stats.stale, self.stats.problems):
             for key in [k for k in table if k not in keys]:
                 del table[key]
 
-    def _drop_endpoint(self, cluster: str, address: str) -> None:
-        signals = self._series[cluster].pop(address, set())
-        metrics.ENDPOINT_WEIGHT.remove(cluster, address)
-        metrics.ENDPOINT_STALE.remove(cluster, address)
-        for signal in signals:
-            metrics.ENDPOINT_SIGNAL.remove(cluster, address, signal)
+    def _sync_routes(self) -> None:
+        """Build the RDS routes from what they depend on: the config, the canary shares the
+        rollouts hold (their one home) and the automatic classes; only when one changed."""
+        percent = self.rollouts.percents()
+        key = (percent, self.auto)
+        if self._routes_key is None or self._routes_key[0] is not self.config \
+                or self._routes_key[1:] != key:
+            self._routes_key = (self.config, *key)
+            self.canary_percent = percent
+            self._routes = build_route_config(self.config, percent, self.auto)
 
-    def set_canary_percent(self, percent: Mapping[str, float]) -> None:
-        """Route canary traffic shares (pool -> percent); rebuilds RDS only when it changed."""
-        if dict(percent) != self.canary_percent:
-            self.canary_percent = dict(percent)
-            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+    def reconcile(self, config: Config | None = None) -> bool:
+        """The one way other parts change what is served: a new config (discovery) is applied
+        first, then routes follow the current rollouts and auto classes, and a snapshot of
+        it all is built, checked and published. Admin commands, discovery and reload call
+        this; nothing else sets the controller's state."""
+        if config is not None:
+            self.apply_config(config)
+        self._sync_routes()
+        return self.publish()
 
     async def reload(self, config: Config) -> None:
         """Apply a new validated config and publish at once (telemetry settings included;
@@ -235,7 +239,7 @@ class Controller:
         if config.telemetry.interval_seconds != old.interval_seconds:
             self._replan.set()
         self.ingest({})
-        self.publish()
+        self.reconcile()
 
     async def collect(self) -> dict[str, ScrapeResult]:
         """Read every endpoint through its pool's source, the sources concurrently."""
@@ -255,11 +259,11 @@ class Controller:
         await self.ingest_off_loop(await self.collect())
         if self.rollouts.pools:
             await self.rollouts.atick(self.slo, self.clock())
-            self.set_canary_percent(self.rollouts.percents())
+            self._sync_routes()
         self.autoscaler.tick(self.weights, self.slo, self.clock())
-        if self.stats.ticks == 0:
-            freeze_startup_heap()
         await self.publish_off_loop(read_at)
+        if not self._heap_frozen:
+            self._heap_frozen = freeze_startup_heap()
         self.stats.ticks += 1
         self.stats.last_tick_at = self.clock()
         for hook in self.on_tick:
@@ -307,11 +311,13 @@ class Controller:
 
     def _weighing_jobs(self) -> WeighingJobs:
         """What weighing needs, taken on the loop: the time, and per cluster its pool,
-        endpoints, a copy of their observations and the previous weights."""
+        endpoints, a copy of their telemetry rows (made into observations by the weighing:
+        they would be 20,000 GC-tracked objects at 10,000 endpoints) and the previous
+        weights."""
         now = self.clock()
         self.store.seen((ep.address for pool in self.config.pools
                          for ep in pool.all_endpoints()), now)
-        jobs = [(cluster, pool, endpoints, self.store.observations(ep.address for ep in endpoints),
+        jobs = [(cluster, pool, endpoints, self.store.rows(ep.address for ep in endpoints),
                  self.weights.get(cluster))
                 for pool in self.config.pools for cluster, _, endpoints in pool.clusters()]
         return WeighingJobs(self.config, now, jobs)
@@ -324,8 +330,8 @@ class Controller:
     def _weigh_and_note(self, jobs: WeighingJobs, results: dict[str, ScrapeResult]
                         ) -> dict[str, PoolWeights]:
         weights = {}
-        for cluster, pool, endpoints, observations, previous in jobs.clusters:
-            weights[cluster] = cluster_weights(jobs.config, pool, endpoints, observations,
+        for cluster, pool, endpoints, rows, previous in jobs.clusters:
+            weights[cluster] = cluster_weights(jobs.config, pool, endpoints, rows.observations(),
                                                self.latency, jobs.now, previous,
                                                self.service)
             self._note_pool(cluster, weights[cluster], results)
@@ -351,7 +357,7 @@ class Controller:
                     for c in cs] for p, cs in auto.items()} or "none")
             self.auto = auto
             self._auto_clusters = self._build_auto_clusters()
-            self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+            self._sync_routes()
 
     def _build_auto_clusters(self) -> list[Message]:
         return [build_cluster(self.config.pool(name), c.cluster)
@@ -372,9 +378,8 @@ class Controller:
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
         if result.signals is not None:
-            plain, slo = split_signals(result.signals)
-            self.slo.record(address, result.collected_at, slo)
-            clean, rejected = screen_signals(plain)
+            self.slo.record(address, result.collected_at, result.slo)
+            clean, rejected = screen_signals(result.signals)
             self.latency.record(address, result.collected_at, clean)
             self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)
@@ -382,16 +387,8 @@ class Controller:
         return result
 
     def _note_pool(self, pool: str, weights: PoolWeights, results: dict[str, ScrapeResult]) -> None:
-        stale_count = 0
-        emitted = self._series.setdefault(pool, {})
-        for address in [a for a in emitted if a not in weights.endpoints]:
-            self._drop_endpoint(pool, address)
+        """Logs and stats of one cluster's weighing (its gauges are rendered at scrape time)."""
         for address, ew in weights.endpoints.items():
-            signals = emitted.setdefault(address, set())
-            for gone in [name for name in signals if name not in ew.signals]:
-                metrics.ENDPOINT_SIGNAL.remove(pool, address, gone)
-                signals.discard(gone)
-            signals.update(ew.signals)
             key = f"{pool}/{address}"
             if self.stats.stale.get(key, False) != ew.stale:
                 error = results[address].error if address in results else None
@@ -399,17 +396,11 @@ class Controller:
                         "endpoint %s telemetry %s%s", key, "stale" if ew.stale else "recovered",
                         f": {error}" if ew.stale and error else "")
             self.stats.stale[key] = ew.stale
-            stale_count += ew.stale
             self._note_problems(key, ew.problems)
-            metrics.ENDPOINT_WEIGHT.labels(pool=pool, endpoint=address).set(ew.weight)
-            metrics.ENDPOINT_STALE.labels(pool=pool, endpoint=address).set(int(ew.stale))
-            for signal, value in ew.signals.items():
-                metrics.ENDPOINT_SIGNAL.labels(pool=pool, endpoint=address, signal=signal).set(value)
             read = results.get(address)
             if read is not None and (read.error or read.problems):
                 metrics.SCRAPE_ERRORS.labels(pool=pool).inc()
-        metrics.STALE_ENDPOINTS.labels(pool=pool).set(stale_count)
-        metrics.POOL_FAIL_STATIC.labels(pool=pool).set(int(weights.fail_static))
+                self._error_series.add(pool)
 
     def _note_problems(self, key: str, problems: tuple[str, ...]) -> None:
         """Log an endpoint's rejected inputs once per change (and once when they clear)."""
@@ -439,8 +430,6 @@ class Controller:
             type_urls.LISTENER: [self._listener],
             type_urls.ROUTE: [self._routes],
         }
-        for mutate in self.mutators:
-            mutate(messages)
         return messages
 
     def publish(self, read_at: float | None = None) -> bool:
@@ -463,8 +452,7 @@ class Controller:
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
         return (self.config, self.weights, self._clusters, self._auto_clusters, self.auto,
-                self._listener, self._routes, self.canary_percent,
-                *self.mutators)
+                self._listener, self._routes, self.canary_percent)
 
     def view_inputs(self) -> ViewInputs:
         """What the routes of :meth:`resources` are built from; published with the snapshot,
@@ -528,22 +516,22 @@ class Controller:
         await self._close_retired()
         if self._closing:
             await asyncio.gather(*self._closing, return_exceptions=True)
+        if self._heap_frozen:  # what dies with this controller must be collectable again
+            self._heap_frozen = False
+            gc.unfreeze()
 
 
-_heap_frozen = False
-
-
-def freeze_startup_heap() -> None:
-    """Once per process, after the first tick: collect, then freeze what is alive (modules,
-    the config, the fleet's metric series) out of the cyclic GC. A full collection holds the
-    GIL whichever thread runs it, so its pause stalls the loop; it now walks only what
-    changed since startup (at 10,000 endpoints: ~330k objects fewer per full collection).
-    Frozen objects are still freed by reference counting."""
-    global _heap_frozen
-    if not _heap_frozen:
-        _heap_frozen = True
-        gc.collect()
-        gc.freeze()
+def freeze_startup_heap() -> bool:
+    """After a controller's first tick has published: collect, then freeze what is alive
+    (modules, the config, the fleet's metric series, the first snapshot's objects) out of the
+    cyclic GC. A full collection holds the GIL whichever thread runs it, so its pause stalls
+    the loop, and it costs in proportion to the tracked objects it walks (at 10,000
+    endpoints ~330k fewer from here on). Frozen objects are still freed by reference
+    counting; :meth:`Controller.close` unfreezes them, so that whatever of them became
+    cyclic garbage is collected. Returns True (the heap is frozen)."""
+    gc.collect()
+    gc.freeze()
+    return True
 
 
 def needs_slo(config: Config) -> bool:

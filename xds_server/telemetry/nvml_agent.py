@@ -6,7 +6,7 @@ Reads every GPU through NVML on each scrape and exposes::
     DCGM_FI_DEV_FB_FREE{gpu,UUID,modelName}   framebuffer free, MiB
     DCGM_FI_DEV_GPU_UTIL{gpu,UUID,modelName}  GPU utilisation, %
 
-so :func:`xds_server.telemetry.scrape.parse_dcgm_memory` and :func:`xds_server.telemetry.parsers.parse_page`
+so :func:`xds_server.telemetry.parsers.parse_page`
 read it unchanged. ``pynvml`` (package ``nvidia-ml-py``) is imported only by
 :class:`PynvmlReader`. Run it with ``python -m xds_server.telemetry.nvml_agent --port 9400``.
 """

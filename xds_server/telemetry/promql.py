@@ -19,12 +19,8 @@ from typing import Any, NamedTuple
 
 import aiohttp
 
-from xds_server.telemetry.scrape import (
-    DEFAULT_MAX_BODY_BYTES,
-    BodyTooLargeError,
-    off_loop,
-    read_limited,
-)
+from xds_server.telemetry.bounds import DEFAULT_MAX_BODY_BYTES, BodyTooLargeError, read_limited
+from xds_server.telemetry.worker import off_loop
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
 DEFAULT_RATE_WINDOW = "1m"

@@ -20,7 +20,8 @@ for the page formats):
 The three counters feed the ``queueing`` weight policy's service-rate estimate (their deltas
 between reads); a counter that went backwards (a restart) is handled there. Latency
 histograms are kept raw (:class:`HistogramState`, cumulative ``sum``/``count``) under
-``histograms["itl"]`` and ``histograms["ttft"]``. Pure code: no clocks, no I/O.
+``histograms["itl"]`` and ``histograms["ttft"]``; the canary gates' bucket counters under
+``slo`` (:class:`SloCounters`). Pure code: no clocks, no I/O.
 """
 
 from __future__ import annotations
@@ -36,6 +37,43 @@ class HistogramState:
 
     sum: float
     count: float
+
+
+@dataclass(frozen=True)
+class SloCounters:
+    """The cumulative counters one page gives the canary gates: latency buckets by upper
+    bound (``le``, seconds; ``+Inf`` included) and finished / failed requests.
+
+    Deltas between two reads of one endpoint (:meth:`since`) and sums over a version's
+    endpoints (:meth:`plus`) stay counters of the same shape."""
+
+    ttft: Mapping[float, float] = field(default_factory=dict)
+    itl: Mapping[float, float] = field(default_factory=dict)
+    requests: float = 0.0
+    errors: float = 0.0
+
+    def since(self, older: SloCounters) -> SloCounters:
+        """What happened between ``older`` and this read; a counter that went down means
+        the server restarted, and then this read counts alone."""
+        pairs = ((self.ttft, older.ttft), (self.itl, older.itl))
+        went_down = (self.requests < older.requests or self.errors < older.errors
+                     or any(new.get(k, 0.0) < v for new, old in pairs for k, v in old.items()))
+        if went_down:
+            return self
+        return SloCounters(_minus(self.ttft, older.ttft), _minus(self.itl, older.itl),
+                           self.requests - older.requests, self.errors - older.errors)
+
+    def plus(self, other: SloCounters) -> SloCounters:
+        return SloCounters(_plus(self.ttft, other.ttft), _plus(self.itl, other.itl),
+                           self.requests + other.requests, self.errors + other.errors)
+
+
+def _minus(new: Mapping[float, float], old: Mapping[float, float]) -> dict[float, float]:
+    return {k: v - old.get(k, 0.0) for k, v in new.items()}
+
+
+def _plus(a: Mapping[float, float], b: Mapping[float, float]) -> dict[float, float]:
+    return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in a.keys() | b.keys()}
 
 
 @dataclass(frozen=True)
@@ -62,6 +100,7 @@ class PageReading:
     histograms: Mapping[str, HistogramState] = field(default_factory=dict)
     problems: tuple[str, ...] = ()
     has_dcgm: bool = False
+    slo: SloCounters | None = None  # read only when a rollout gate needs it
 
     def signals(self) -> dict[str, float]:
         """Flat ``name -> value`` view for :class:`~weight_calculator.types.Sample`.

@@ -1,192 +1,25 @@
-"""GPU telemetry: parse DCGM exporter pages, scrape endpoints, keep the latest observations."""
+"""Scrape metrics pages (bounded by :mod:`.bounds`, parsed off the loop by :mod:`.parsers`)
+; the worker thread that parses them is :mod:`.worker`, and the store of the latest
+observation per endpoint :mod:`.store`."""
 
 from __future__ import annotations
 
 import asyncio
-import gc
-import io
-import math
-import os
-import threading
-from collections.abc import Callable, Iterable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ParamSpec, TypeVar
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
 
-from weight_calculator.types import Observation, Sample
-
-FB_USED = "DCGM_FI_DEV_FB_USED"
-FB_FREE = "DCGM_FI_DEV_FB_FREE"
-DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-DEFAULT_MAX_SERIES_PER_PAGE = 20_000
-LINES_PER_SERIES = 4  # lines of any kind a page may have per allowed series
-_READ_CHUNK = 64 * 1024
-
-GpuKey = tuple[str, str]  # (gpu index label, UUID label)
-
-
-P = ParamSpec("P")
-T = TypeVar("T")
-_worker: tuple[int, ThreadPoolExecutor] | None = None  # (creating pid, executor)
-_worker_lock = threading.Lock()
-
-
-def telemetry_worker() -> ThreadPoolExecutor:
-    """The one thread that runs telemetry CPU work (page parsing, weighing) for the process.
-
-    One thread, not a pool: pure-Python work holds the GIL, so a second worker would add no
-    throughput and would make the event loop wait behind more threads for the GIL. A forked
-    child gets its own (the parent's thread does not exist there)."""
-    global _worker
-    with _worker_lock:
-        if _worker is None or _worker[0] != os.getpid():
-            _worker = (os.getpid(), ThreadPoolExecutor(1, thread_name_prefix="trimtab-telemetry"))
-        return _worker[1]
-
-
-async def off_loop(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-    """Run ``fn`` on the telemetry worker thread and await its result: CPU work there never
-    holds up the event loop that serves xDS, admin, health and KEDA. ``fn`` must not touch
-    state that the loop mutates meanwhile (pass it what it needs).
-
-    The cyclic garbage collector is paused while ``fn`` runs: a collection holds the GIL
-    whichever thread runs it, so the loop would wait for every one that ``fn``'s allocations
-    set off (several full ones per tick at 10,000 endpoints, each walking ``fn``'s
-    short-lived objects too). Reference counting still frees them as ``fn`` drops them; the
-    collector runs once ``fn`` is done, over what is left."""
-    loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(telemetry_worker(), _without_gc, fn, args, kwargs)
-
-
-def _without_gc(fn: Callable[..., T], args: tuple[object, ...], kwargs: dict[str, object]) -> T:
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        return fn(*args, **kwargs)
-    finally:
-        if enabled:
-            gc.enable()
-
-
-def refuse_unparsed(text: str, max_series: int) -> str | None:
-    """Why a page is too costly to parse, or ``None``. Parse time follows the number of lines,
-    so both are bounded: samples (series) to ``max_series``, and every line, comments and
-    blank ones included, to :data:`LINES_PER_SERIES` times that (a page of HELP/TYPE pairs
-    and samples has at most three lines per series)."""
-    max_lines = LINES_PER_SERIES * max_series
-    if text.count("\n") > max_lines:
-        return (f"series: the endpoint's page has more than {max_lines} lines "
-                f"({LINES_PER_SERIES} × telemetry.max_series_per_page); refused without parsing it")
-    if series_over(text, max_series):
-        return too_many_series(max_series)
-    return None
-
-
-def series_over(text: str, limit: int) -> bool:
-    """Whether ``text`` holds more than ``limit`` samples (series), without parsing it.
-
-    Counts lines the way the Prometheus text parser reads them (split on newlines,
-    stripped; blank and ``#`` lines are not samples) and stops at the ``limit + 1``-th, so a
-    huge page costs at most ``limit`` short line checks. A page with no more lines than
-    ``limit`` is decided by one C-speed newline count."""
-    if text.count("\n") < limit:
-        return False
-    count = 0
-    for line in io.StringIO(text):
-        line = line.strip()
-        if line and line[0] != "#":
-            count += 1
-            if count > limit:
-                return True
-    return False
-
-
-class BodyTooLargeError(Exception):
-    """A response body (after decompression) grew past its byte limit; reading stopped."""
-
-    def __init__(self, limit: int) -> None:
-        super().__init__(f"body larger than {limit} bytes")
-        self.limit = limit
-
-
-async def read_limited(resp: aiohttp.ClientResponse, max_bytes: int) -> bytes:
-    """The response body, read in 64 KiB pieces of *decompressed* bytes; raises
-    :class:`BodyTooLargeError` as soon as it exceeds ``max_bytes`` (a gzip bomb or an endless
-    body stops there). The session's total timeout bounds the time."""
-    body = bytearray()
-    async for chunk in resp.content.iter_chunked(_READ_CHUNK):
-        body.extend(chunk)
-        if len(body) > max_bytes:
-            raise BodyTooLargeError(max_bytes)
-    return bytes(body)
-
-
-class MetricsFormatError(ValueError):
-    """A metrics page could not be turned into GPU memory signals."""
-
-
-def _read_series(text: str) -> tuple[dict[GpuKey, float], dict[GpuKey, float]]:
-    """Collect FB_USED / FB_FREE values per (gpu, UUID); ignore every other metric."""
-    series: dict[str, dict[GpuKey, float]] = {FB_USED: {}, FB_FREE: {}}
-    try:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                per_gpu = series.get(sample.name)
-                if per_gpu is None:
-                    continue
-                key = (sample.labels.get("gpu", ""), sample.labels.get("UUID", ""))
-                if key in per_gpu:
-                    raise MetricsFormatError(
-                        f"duplicate {sample.name} series for gpu={key[0]!r} UUID={key[1]!r}"
-                    )
-                per_gpu[key] = float(sample.value)
-    except MetricsFormatError:
-        raise
-    except Exception as exc:  # the parser raises bare ValueError/TypeError/IndexError
-        raise MetricsFormatError(f"not a Prometheus text page: {exc}") from exc
-    return series[FB_USED], series[FB_FREE]
-
-
-def _gpu_pct(key: GpuKey, used: float, free: float) -> float:
-    label = f"gpu={key[0]!r} UUID={key[1]!r}"
-    for name, value in ((FB_USED, used), (FB_FREE, free)):
-        if not math.isfinite(value) or value < 0:
-            raise MetricsFormatError(f"{name} for {label} is {value!r}")
-    if used + free == 0:
-        raise MetricsFormatError(f"{FB_USED} + {FB_FREE} is 0 for {label}")
-    return 100.0 * used / (used + free)
-
-
-def parse_dcgm_memory(text: str) -> dict[str, float]:
-    """Parse a DCGM exporter page into the busiest GPU's framebuffer use.
-
-    Returns ``{"gpu_mem_pct", "fb_used_mib", "fb_free_mib", "gpus"}`` where the first three
-    describe the GPU with the highest ``100*used/(used+free)``. Raises
-    :class:`MetricsFormatError` on unparsable pages, missing or unpaired series, and
-    NaN/infinite/negative/all-zero values.
-    """
-    used, free = _read_series(text)
-    if not used or not free:
-        missing = [name for name, s in ((FB_USED, used), (FB_FREE, free)) if not s]
-        raise MetricsFormatError(f"metrics missing from page: {', '.join(missing)}")
-    if used.keys() != free.keys():
-        unpaired = sorted(used.keys() ^ free.keys())
-        raise MetricsFormatError(f"{FB_USED}/{FB_FREE} not paired for (gpu, UUID) {unpaired}")
-    best_key, best_pct = None, -1.0
-    for key in sorted(used):
-        pct = _gpu_pct(key, used[key], free[key])
-        if pct > best_pct:
-            best_key, best_pct = key, pct
-    assert best_key is not None
-    return {
-        "gpu_mem_pct": best_pct,
-        "fb_used_mib": used[best_key],
-        "fb_free_mib": free[best_key],
-        "gpus": float(len(used)),
-    }
+from xds_server.telemetry.bounds import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_SERIES_PER_PAGE,
+    BodyTooLargeError,
+    read_limited,
+    refuse_unparsed,
+)
+from xds_server.telemetry.parsers.page import page_signals
+from xds_server.telemetry.reading import SloCounters
+from xds_server.telemetry.worker import off_loop
 
 
 @dataclass(frozen=True)
@@ -202,6 +35,7 @@ class ScrapeResult:
     error: str | None
     collected_at: float
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None  # the canary gates' counters, when a rollout reads them
 
 
 @dataclass(frozen=True)
@@ -210,6 +44,7 @@ class ParsedPage:
 
     signals: dict[str, float]
     problems: tuple[str, ...] = ()
+    slo: SloCounters | None = None
 
 
 PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
@@ -229,7 +64,7 @@ class Scraper:
         self,
         timeout_seconds: float,
         max_concurrency: int = 64,
-        parse: PageParser = parse_dcgm_memory,
+        parse: PageParser = page_signals,
         max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
         max_series_per_page: int = DEFAULT_MAX_SERIES_PER_PAGE,
     ) -> None:
@@ -312,7 +147,7 @@ class Scraper:
         except Exception as exc:  # a bad page must only fail this endpoint
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
-            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems)
+            return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo)
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
@@ -323,12 +158,6 @@ class Scraper:
                 return await read_limited(resp, self._max_body_bytes)
             except BodyTooLargeError as exc:
                 raise _FetchError("size", str(exc)) from None
-
-
-def too_many_series(limit: int) -> str:
-    """The error of an endpoint whose page is over ``telemetry.max_series_per_page``."""
-    return (f"series: the endpoint's page has more than {limit} series "
-            f"(telemetry.max_series_per_page); refused without parsing it")
 
 
 class _FetchError(Exception):
@@ -347,94 +176,3 @@ def _describe(exc: BaseException) -> str:
 
 # Load signals a policy mixes: when a read rejects one the server reports (a problem line
 # "<name>: ..."), the store holds its last good value, then counts it saturated.
-LOAD_SIGNALS = ("kv_usage", "gpu_mem_pct", "queue", "itl_ms")
-_REJECTED_AS = {"itl": "itl_ms"}  # the ITL histogram feeds itl_ms
-
-
-def rejected_load_signals(problems: Iterable[str], signals: Mapping[str, float]
-                          ) -> tuple[str, ...]:
-    """Load signals named by ``problems`` (``"<signal>: ..."``) and absent from ``signals``."""
-    found: list[str] = []
-    for line in problems:
-        head = line.split(":", 1)[0].strip()
-        name = _REJECTED_AS.get(head, head)
-        if name in LOAD_SIGNALS and name not in signals and name not in found:
-            if name == "itl_ms" and "itl_sum" in signals:
-                continue
-            found.append(name)
-    return tuple(found)
-
-
-class TelemetryStore:
-    """The latest :class:`Observation` per endpoint address, and when each was first seen.
-
-    A load signal that a read rejects (NaN, negative, out of range: named in its problems)
-    keeps its last good value for up to ``hold_seconds``, then counts as saturated (in
-    ``Sample.saturated``) until a read carries it valid again. A signal a server never
-    reports is simply absent (the policy renormalises over the rest).
-    """
-
-    def __init__(self, hold_seconds: float = 6.0) -> None:
-        self.hold_seconds = hold_seconds
-        self._observations: dict[str, Observation] = {}
-        self._first_seen: dict[str, float] = {}
-        self._good: dict[str, dict[str, tuple[float, float | None]]] = {}  # signal -> (at, v)
-
-    def record(self, address: str, result: ScrapeResult) -> None:
-        """Success replaces the sample; failure keeps the last good sample and sets error."""
-        first_seen = self._first_seen.setdefault(address, result.collected_at)
-        prior = self._observations.get(address)
-        if result.error is None and result.signals is not None:
-            sample = self._sample(address, result)
-            self._observations[address] = Observation(sample, None, first_seen)
-            return
-        error = result.error if result.error is not None else "scrape: no signals"
-        failures = prior.failures + 1 if prior is not None else 1
-        self._observations[address] = Observation(
-            prior.sample if prior is not None else None, error, first_seen, failures
-        )
-
-    def _sample(self, address: str, result: ScrapeResult) -> Sample:
-        """The read's signals, a rejected load signal held or marked saturated."""
-        signals = dict(result.signals or {})
-        at = result.collected_at
-        good = self._good.setdefault(address, {})
-        for name in LOAD_SIGNALS:
-            if name in signals:
-                good[name] = (at, signals[name])
-            elif name == "itl_ms" and "itl_sum" in signals:
-                good[name] = (at, None)  # a good histogram: the latency window has it
-        problems = list(result.problems)
-        saturated: list[str] = []
-        for name in rejected_load_signals(result.problems, signals):
-            last = good.get(name)
-            if last is not None and at - last[0] <= self.hold_seconds:
-                if last[1] is not None:
-                    signals[name] = last[1]
-                problems.append(f"{name}: holding the last good value for at most "
-                                f"{self.hold_seconds:g}s")
-            else:
-                saturated.append(name)
-                problems.append(f"{name}: counted as saturated until it is valid again")
-        return Sample(collected_at=at, signals=signals, problems=tuple(problems),
-                      saturated=tuple(saturated))
-
-    def seen(self, addresses: Iterable[str], at: float) -> None:
-        """Note ``at`` as the first-seen time of every address not seen before."""
-        for address in addresses:
-            self._first_seen.setdefault(address, at)
-
-    def observations(self, addresses: Iterable[str]) -> dict[str, Observation]:
-        """Observations for ``addresses`` (never-read ones get ``Observation(None)``, with
-        their first-seen time when :meth:`seen` noted one)."""
-        out = {}
-        for a in addresses:
-            obs = self._observations.get(a)
-            out[a] = obs if obs is not None else Observation(None, None, self._first_seen.get(a))
-        return out
-
-    def forget(self, keep: set[str]) -> None:
-        """Drop every endpoint not in ``keep``."""
-        for table in (self._observations, self._first_seen, self._good):
-            for address in [a for a in table if a not in keep]:
-                del table[address]

@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from xds_server.config.load import MAX_CONFIG_BYTES, ConfigError, load_yaml_text
 from xds_server.config.pools import EndpointConfig
 from xds_server.config.schema import Config
-from xds_server.control.slo import parse_slo
 from xds_server.telemetry.parsers import parse_page
 from xds_server.telemetry.promql import PromQLResult, PromQLSource
-from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult, off_loop
+from xds_server.telemetry.scrape import ParsedPage, Scraper, ScrapeResult
+from xds_server.telemetry.worker import off_loop
 
 Clock = Callable[[], float]
 _DCGM_SIGNALS = ("gpu_mem_pct", "gpu_util_pct")
@@ -44,11 +45,8 @@ class TelemetrySource(Protocol):
 def page_parser(gpu: str | None, uuid: str | None, with_slo: bool
                 ) -> Callable[[str], ParsedPage]:
     def parse(text: str) -> ParsedPage:
-        reading = parse_page(text, gpu=gpu, uuid=uuid)
-        signals = reading.signals()
-        if with_slo:
-            signals.update(parse_slo(text))
-        return ParsedPage(signals, reading.problems)
+        reading = parse_page(text, gpu=gpu, uuid=uuid, with_slo=with_slo)
+        return ParsedPage(reading.signals(), reading.problems, reading.slo)
     return parse
 
 
@@ -111,17 +109,17 @@ class ScrapeSource:
         if dcgm is None or main.signals is None:
             return main
         if dcgm.signals is not None:
-            return ScrapeResult({**main.signals, **dcgm.signals}, None, main.collected_at,
-                                main.problems + dcgm.problems)
+            return replace(main, signals={**main.signals, **dcgm.signals},
+                           problems=main.problems + dcgm.problems)
         held = self._good_dcgm.get(address)
         if held is not None and held.signals and \
                 main.collected_at - held.collected_at <= self.hold_seconds:
             note = (f"dcgm: {dcgm.error}; holding the last good {', '.join(sorted(held.signals))}"
                     f" (for at most {self.hold_seconds:g}s)")
-            return ScrapeResult({**held.signals, **main.signals}, None, main.collected_at,
-                                main.problems + (note,))
+            return replace(main, signals={**held.signals, **main.signals},
+                           problems=main.problems + (note,))
         note = f"dcgm: {dcgm.error}; no {' or '.join(_DCGM_SIGNALS)} from it"
-        return ScrapeResult(main.signals, None, main.collected_at, main.problems + (note,))
+        return replace(main, problems=main.problems + (note,))
 
     async def close(self) -> None:
         await self.scraper.close()

@@ -28,7 +28,7 @@ from grpc_reflection.v1alpha import reflection
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
-# The services `xds_server.xds.server.XdsServicer` serves (checked by tests/test_grpc_extras.py).
+# The services `xds_server.xds.server.XdsServicer` serves (checked by tests/xds/test_grpc_extras.py).
 XDS_SERVICE_NAMES: tuple[str, ...] = (
     "envoy.service.discovery.v3.AggregatedDiscoveryService",
     "envoy.service.cluster.v3.ClusterDiscoveryService",

@@ -6,8 +6,9 @@ import math
 
 from xds_server.telemetry.parsers.reader import Reader
 from xds_server.telemetry.reading import valid
-from xds_server.telemetry.scrape import FB_FREE, FB_USED
 
+FB_USED = "DCGM_FI_DEV_FB_USED"
+FB_FREE = "DCGM_FI_DEV_FB_FREE"
 GPU_UTIL = "DCGM_FI_DEV_GPU_UTIL"
 
 

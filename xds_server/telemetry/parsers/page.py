@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from xds_server.telemetry.parsers.dcgm import dcgm_memory, dcgm_util
-from xds_server.telemetry.parsers.reader import Reader, index_page
+from xds_server.telemetry.parsers.reader import MetricsFormatError, Reader, index_page
 from xds_server.telemetry.parsers.servers import EXTRACTORS
+from xds_server.telemetry.parsers.slo import slo_counters
 from xds_server.telemetry.reading import COUNTERS, PageReading
-from xds_server.telemetry.scrape import MetricsFormatError
 
 SERVERS = ("vllm", "sglang", "tgi", "trtllm")
 _PREFIXES: Mapping[str, tuple[str, ...]] = {
@@ -41,16 +41,18 @@ def detect_server(names: Iterable[str]) -> str | None:
     return "dcgm" if any(n.startswith("DCGM_FI_") for n in names) else None
 
 
-def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None) -> PageReading:
+def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None,
+               with_slo: bool = False) -> PageReading:
     """Parse one Prometheus text page into a :class:`PageReading`.
 
     ``gpu`` (the DCGM ``gpu`` label, e.g. ``"0"``) and/or ``uuid`` (the ``UUID`` label) pick
     the GPU whose memory and utilisation are reported; without them the maximum over all
     GPUs on the page is used. Multiple model series (``model_name``, ``engine``...) are
     combined: queue/running/capacity summed, kv_usage maxed, histogram sums/counts summed.
-    A present-but-invalid signal is dropped and described in ``problems``.
+    A present-but-invalid signal is dropped and described in ``problems``. ``with_slo``
+    also reads the canary gates' counters (:mod:`.slo`) from the same parse.
 
-    Raises :class:`~xds_server.telemetry.scrape.MetricsFormatError` when the page does not parse,
+    Raises :class:`~xds_server.telemetry.parsers.reader.MetricsFormatError` when the page does not parse,
     carries no recognised metrics, or none of its recognised signals survived validation.
     """
     index = index_page(text)
@@ -69,5 +71,6 @@ def parse_page(text: str, *, gpu: str | None = None, uuid: str | None = None) ->
         histograms=histograms,
         problems=tuple(reader.problems),
         has_dcgm=any(n.startswith("DCGM_FI_") for n in index),
+        slo=slo_counters(index) if with_slo else None,
         **fields,  # type: ignore[arg-type]
     )

@@ -8,10 +8,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from prometheus_client.parser import text_string_to_metric_families
 
 from xds_server.telemetry.reading import HistogramState, valid
-from xds_server.telemetry.scrape import MetricsFormatError
 
 Labels = Mapping[str, str]
 Series = tuple[Labels, float]
+
+
+class MetricsFormatError(ValueError):
+    """A metrics page could not be read: not Prometheus text, or no usable signal on it
+    (the exporter's fault; the endpoint is reported and goes stale, nothing else is hurt)."""
 
 
 def index_page(text: str) -> dict[str, list[Series]]:

@@ -1,0 +1,7 @@
+"""The sans-IO xDS stream machines, one concern per module (the overview is `xds.protocol`,
+which re-exports the public names; import them from there).
+
+`limits` (what a stream may ask for and be sent), `events` (what `receive()` and
+`responses()` return), `state` (per-type state and the stream's rejections), `base` (what
+SotW and Delta share: node, nonces, packing, flow control), `sotw` and `delta`.
+"""
