@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess, wait_for
+from tests.integration.conftest import TrimtabProcess
 from tests.support import BackendFleet
+from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 
 pytestmark = pytest.mark.slow
@@ -111,7 +112,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                                      admin_port=ports["envoy_admin"], api="delta"),
                     workdir / "envoy.log")
         envoy.wait_ready(timeout=SETTLE_S)
-        wait_for(lambda: stack.lands("python please"), SETTLE_S, "the classifier answering",
+        wait_until(lambda: stack.lands("python please"), SETTLE_S, "the classifier answering",
                  check=lambda role: role == "intent-code", every=0.1)
         yield stack
     finally:
@@ -136,25 +137,25 @@ def test_serve_alone_classifies_requests_onto_the_tier(stack: Stack) -> None:
 def test_a_reload_applies_new_rules_to_the_running_classifier(stack: Stack) -> None:
     assert stack.lands("some rust please") == "intent"
     stack.reload(rules=[{"tier": "code", "keywords": ["rust"]}])
-    wait_for(lambda: stack.lands("some rust please"), SETTLE_S, "the new rule",
+    wait_until(lambda: stack.lands("some rust please"), SETTLE_S, "the new rule",
              check=lambda role: role == "intent-code", every=0.1)
     assert stack.lands("python please") == "intent"  # the old rule is gone
     stack.reload()
-    wait_for(lambda: stack.lands("python please"), SETTLE_S, "the first rules back",
+    wait_until(lambda: stack.lands("python please"), SETTLE_S, "the first rules back",
              check=lambda role: role == "intent-code", every=0.1)
 
 
 def test_a_stopped_classifier_sends_the_request_to_the_default_pool(stack: Stack) -> None:
     allowed = stack.hop_stat("failure_mode_allowed")
     stack.reload(embedded=False)  # Envoy's cluster keeps the address; nothing listens there
-    wait_for(stack.classifier_listening, SETTLE_S, "the classifier stopped",
+    wait_until(stack.classifier_listening, SETTLE_S, "the classifier stopped",
              check=lambda up: not up, every=0.1)
     for _ in range(5):
         assert stack.lands("python please") == "intent"  # default pool, not an error
     assert stack.hop_stat("failure_mode_allowed") >= allowed + 5
     assert stack.trimtab.metric("trimtab_classifier_embedded_up") == 0.0
     stack.reload()
-    wait_for(lambda: stack.lands("python please"), SETTLE_S, "the classifier back",
+    wait_until(lambda: stack.lands("python please"), SETTLE_S, "the classifier back",
              check=lambda role: role == "intent-code", every=0.2)
 
 
@@ -183,13 +184,13 @@ def test_a_hanging_or_killed_classifier_fails_open_and_comes_back(stack: Stack) 
     finally:
         os.kill(pid, signal.SIGCONT)
     assert stack.hop_stat("message_timeouts") >= timeouts + 3
-    wait_for(lambda: stack.lands("python please"), SETTLE_S, "the tier back",
+    wait_until(lambda: stack.lands("python please"), SETTLE_S, "the tier back",
              check=lambda role: role == "intent-code", every=0.1)
 
     restarts = stack.trimtab.metric("trimtab_classifier_embedded_restarts_total") or 0.0
     os.kill(pid, signal.SIGKILL)  # a crash: trimtab starts it again
     assert stack.lands("python please") in ("intent", "intent-code")  # never an error
-    wait_for(lambda: stack.lands("python please"), SETTLE_S, "a new classifier",
+    wait_until(lambda: stack.lands("python please"), SETTLE_S, "a new classifier",
              check=lambda role: role == "intent-code", every=0.2)
     assert stack.trimtab.metric("trimtab_classifier_embedded_restarts_total") == restarts + 1
     assert classifier_pids(stack) not in ([], [pid])

@@ -13,7 +13,7 @@ import pytest
 
 from trimtab_dev.bench.cli import main as bench_main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
