@@ -136,3 +136,41 @@ def test_classify_without_a_classifier_section_exits_2(tmp_path: Path,
     path.write_text(yaml.safe_dump({"pools": _pools()}))
     assert main(["--config", str(path)]) == EXIT_BAD_INPUT
     assert "no `classifier` section" in capsys.readouterr().err
+
+
+def test_classify_exits_2_when_the_learned_classifier_cannot_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trimtab.yaml"
+    path.write_text(yaml.safe_dump({
+        "classifier": {"rules": RULES, "learned": "tests.support.learned_classifier:broken"},
+        "pools": _pools()}))
+    assert main(["--config", str(path)]) == EXIT_BAD_INPUT
+    assert ("trimtab classify: classifier.learned: cannot load "
+            "'tests.support.learned_classifier:broken': RuntimeError: weights not found"
+            in capsys.readouterr().err)
+
+
+def test_the_learned_classifier_is_asked_only_when_no_rule_matches() -> None:
+    from xds_server.classify import build_classifier
+
+    limits = _limits(learned="tests.support.learned_classifier:make", learned_tiers=["fp"])
+    classifier = build_classifier(limits)
+    assert classifier.classify("python in haskell") == "code"  # the rule first
+    assert classifier.classify("haskell, please") == "fp"
+    assert classifier.classify("crash it") is None  # its error: the default tier
+    assert isinstance(build_classifier(_limits()), RulesClassifier)  # no plug-in: rules only
+
+
+def test_settle_heap_puts_what_exists_out_of_the_collectors_reach() -> None:
+    import gc
+
+    from xds_server.classify import settle_heap
+
+    gc.unfreeze()
+    try:
+        settle_heap()
+        frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # grpc, the protos and pydantic are loaded in this process
+        assert len(gc.get_objects(generation=2)) < frozen  # a full collection skips them
+    finally:
+        gc.unfreeze()

@@ -14,6 +14,7 @@ from grpc_health.v1.health import aio as health_aio
 from xds_server.admin.api import AdminApi, start_admin
 from xds_server.admin.documents import weights_document
 from xds_server.admin.history import WeightHistory, history_point
+from xds_server.classify_server import EmbeddedClassifier
 from xds_server.config.load import ConfigError, load_config
 from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
@@ -118,6 +119,7 @@ class Trimtab:
         self._scaler: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._admin: web.AppRunner | None = None
+        self.classifier = EmbeddedClassifier()  # runs while a pool has intent tiers
 
     def ready(self) -> bool:
         return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
@@ -126,6 +128,7 @@ class Trimtab:
         def extras(server: grpc.aio.Server) -> None:
             self._health = add_health_and_reflection(server, list(XDS_SERVICE_NAMES))
 
+        await self.classifier.start(self.config)  # before Envoy can learn its cluster
         xds = self.config.xds
         credentials = (server_credentials(xds.tls.cert_file, xds.tls.key_file,
                                           xds.tls.client_ca_file, xds.tls.require_client_cert,
@@ -189,6 +192,9 @@ class Trimtab:
         if fixed:
             return _refuse([(key, "cannot change while running; restart trimtab to apply it")
                             for key in fixed])
+        problems = await self.classifier.reload(config)  # new rules, or why not
+        if problems:
+            return _refuse(problems)
         try:
             await self._apply_reload(config)
         except Exception:  # noqa: BLE001 - logged with its traceback, the loop goes on
@@ -234,3 +240,4 @@ class Trimtab:
             await self._admin.cleanup()
             self._admin = None
         await self.controller.close()
+        await self.classifier.close()

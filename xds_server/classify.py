@@ -9,18 +9,23 @@ fails open (``failure_mode_allow``, ``message_timeout``), so a slow or dead clas
 request its tier, never the request.
 
 Rules are built in (keywords, regular expressions, prompt length; first match wins). A learned
-classifier plugs in through `Classifier`: any object with ``classify(text) -> tier | None``.
+classifier plugs in through `Classifier`: any object with ``classify(text) -> tier | None``,
+made by the factory ``classifier.learned: module:factory`` names and asked when no rule
+matches (`build_classifier`).
 
 Bounded: bodies over ``classifier.max_body_bytes`` are not parsed, at most
 ``classifier.max_text_chars`` of the message are looked at.
 
-Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config.
+Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config
+(a `classifier.learned` that cannot be loaded included).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
+import importlib
 import json
 import logging
 import re
@@ -94,6 +99,42 @@ class RulesClassifier:
             if rule.matches(text, lowered):
                 return rule.tier
         return None
+
+
+class ChainedClassifier:
+    """The rules first; for a text no rule puts in a tier, the learned classifier. An error of
+    the learned one is counted (``learned_error``) and means the default tier."""
+
+    def __init__(self, rules: Classifier, learned: Classifier) -> None:
+        self.rules, self.learned = rules, learned
+
+    def classify(self, text: str) -> str | None:
+        tier = self.rules.classify(text)
+        if tier is not None:
+            return tier
+        try:
+            found = self.learned.classify(text)
+        except Exception:  # noqa: BLE001 - the plug-in's fault: the default tier, counted
+            UNREADABLE.labels("learned_error").inc()
+            return None
+        return found if isinstance(found, str) and found else None
+
+
+def build_classifier(limits: ClassifierConfig) -> Classifier:
+    """The rules, then ``classifier.learned`` when set. Raises ValueError naming the key."""
+    rules = RulesClassifier(limits.rules)
+    if limits.learned is None:
+        return rules
+    module, _, name = limits.learned.partition(":")
+    try:
+        learned = getattr(importlib.import_module(module), name)(limits)
+    except Exception as exc:  # noqa: BLE001 - whatever the plug-in raises, said in one line
+        raise ValueError(f"classifier.learned: cannot load {limits.learned!r}: "
+                         f"{type(exc).__name__}: {exc}") from None
+    if not callable(getattr(learned, "classify", None)):
+        raise ValueError(f"classifier.learned: {limits.learned!r} returned "
+                         f"{type(learned).__name__}, which has no classify(text)")
+    return ChainedClassifier(rules, learned)
 
 
 def _compile(rule: ClassifierRuleConfig) -> _Rule:
@@ -176,8 +217,11 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request: every message gets its answer."""
 
     def __init__(self, classifier: Classifier, limits: ClassifierConfig) -> None:
-        self.classifier = classifier
-        self.limits = limits
+        self.rules: tuple[Classifier, ClassifierConfig] = (classifier, limits)
+
+    def update(self, classifier: Classifier, limits: ClassifierConfig) -> None:
+        """New rules and bounds for the next body (one assignment: a body sees old or new)."""
+        self.rules = (classifier, limits)
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ext_proc.ProcessingResponse]:
@@ -185,7 +229,8 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
             kind = request.WhichOneof("request")
             if kind == "request_body":
                 started = time.perf_counter()
-                tier = decide(self.classifier, request.request_body.body, self.limits)
+                classifier, limits = self.rules
+                tier = decide(classifier, request.request_body.body, limits)
                 DECISION_SECONDS.observe(time.perf_counter() - started)
                 DECISIONS.labels(tier or DEFAULT_TIER).inc()
                 yield tier_response(tier)
@@ -193,17 +238,32 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
                 yield _EMPTY[kind]()
 
 
-async def serve_classifier(limits: ClassifierConfig, classifier: Classifier,
-                           stop: asyncio.Event) -> None:
-    where = parse_host_port(limits.address)
+def settle_heap() -> None:
+    """Move everything allocated so far (grpc, the Envoy protos, pydantic: ~47k objects) out of
+    the collector's reach: a full collection over them stalled the loop for about 20 ms, and
+    a request behind it waited that long. Call once serving has started."""
+    gc.collect()
+    gc.freeze()
+
+
+def build_server(service: ExtProcService, address: str) -> tuple[grpc.aio.Server, int]:
+    """The classifier's gRPC server bound to `address` (not started) and its port. Raises
+    OSError or RuntimeError (grpcio) when the address cannot be bound."""
     server = grpc.aio.server(options=[
         ("grpc.max_receive_message_length", 9 * 1024 * 1024),  # Envoy's buffer limit + slack
         ("grpc.max_concurrent_streams", 10_000)])
-    ext_proc_grpc.add_ExternalProcessorServicer_to_server(ExtProcService(classifier, limits),
-                                                          server)
-    if server.add_insecure_port(str(where)) == 0:
-        raise OSError(f"cannot listen on {limits.address}")
+    ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
+    port = server.add_insecure_port(str(parse_host_port(address)))
+    if port == 0:
+        raise OSError(f"cannot listen on {address}")
+    return server, port
+
+
+async def serve_classifier(limits: ClassifierConfig, classifier: Classifier,
+                           stop: asyncio.Event) -> None:
+    server, _ = build_server(ExtProcService(classifier, limits), limits.address)
     await server.start()
+    settle_heap()
     log.info("classifier listening on %s (%d rules)", limits.address, len(limits.rules))
     try:
         await stop.wait()
@@ -220,12 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-async def _run(limits: ClassifierConfig) -> None:
+async def _run(limits: ClassifierConfig, classifier: Classifier) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    await serve_classifier(limits, RulesClassifier(limits.rules), stop)
+    await serve_classifier(limits, classifier, stop)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -243,10 +303,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     limits = config.classifier
     try:
+        classifier = build_classifier(limits)
+    except ValueError as exc:
+        print(f"trimtab classify: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
         if limits.metrics_address is not None:
             metrics_at = parse_host_port(limits.metrics_address)
             start_http_server(metrics_at.port, metrics_at.host)
-        asyncio.run(_run(limits))
+        asyncio.run(_run(limits, classifier))
     except OSError as exc:
         print(f"trimtab classify: {exc}", file=sys.stderr)
         return 1

@@ -89,7 +89,8 @@ def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
         "admin": {"address": f"127.0.0.1:{ports['admin']}"},
         "listener": {"address": f"127.0.0.1:{ports['listener']}"},
         "telemetry": {"interval_seconds": 0.5, "stale_after_seconds": 3.0},
-        "classifier": {"address": f"127.0.0.1:{ports['classifier']}",
+        "classifier": {"embedded": False,  # this test runs `trimtab classify` itself
+                       "address": f"127.0.0.1:{ports['classifier']}",
                        "message_timeout_ms": TIMEOUT_MS, "rules": RULES},
         "pools": [pool("intent", "m-intent", intent_tiers={"code": "intent-code"}),
                   pool("intent-code", "m-intent"), pool("plain", "m-plain")],

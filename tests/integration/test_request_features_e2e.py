@@ -1,8 +1,8 @@
 """Request features end to end: ``trimtab serve`` + a real Envoy + fake model servers.
 
 Every request is answered by a backend that says who it is, so each test checks where a request
-landed (and where it must not): generation/sampling classes (max_tokens, stream), modality
-(image parts, with a bounded inspection), and Envoy's own answers when nothing can serve
+landed (and where it must not): generation/sampling classes (max_tokens, stream, n,
+temperature), modality (image parts, with a bounded inspection), and Envoy's own answers when nothing can serve
 (OpenAI-shaped JSON with Retry-After, a pool's static answer).
 """
 
@@ -66,7 +66,9 @@ HEALTH = {"path": "/health", "interval_seconds": 0.25, "timeout_seconds": 0.5,
 def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
     classes = [{"pool": "chat-vl", "modality": "image"},
                {"pool": "chat-longgen", "max_tokens": {"min": 4097}},
-               {"pool": "chat-batch", "stream": False}]
+               {"pool": "chat-batch", "stream": False},
+               {"pool": "chat-batch", "n": {"min": 2}},
+               {"pool": "chat-longgen", "temperature": {"min": 1.5}}]
     pools = [
         _pool("chat", "m-chat", request_classes=classes),
         _pool("chat-vl", "m-chat"), _pool("chat-longgen", "m-chat"),
@@ -207,6 +209,18 @@ def test_non_streaming_requests_go_to_the_batch_pool_streaming_never(stack: Stac
     assert streamed.status == 200 and streamed.headers["content-type"] == "text/event-stream"
     assert streamed.backend is not None and stack.role_of(streamed.backend) == "chat"
     assert _lands(stack, _chat(stream="false")) == "chat"  # a string is not a JSON bool
+
+
+def test_n_and_temperature_ranges_pick_their_pools(stack: Stack) -> None:
+    assert _lands(stack, _chat(n=3)) == "chat-batch"
+    assert _lands(stack, _chat(temperature=1.8)) == "chat-longgen"
+    assert _lands(stack, _chat(temperature="1.5")) == "chat-longgen"  # a numeric string counts
+
+
+def test_n_and_temperature_outside_their_ranges_never_leave_the_default(stack: Stack) -> None:
+    assert _lands(stack, _chat(n=1)) == "chat"
+    assert _lands(stack, _chat(temperature=0.7)) == "chat"
+    assert _lands(stack, _chat(temperature="hot")) == "chat"  # not a number: the default
 
 
 # -- modality -----------------------------------------------------------------------------------

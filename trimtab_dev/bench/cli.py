@@ -3,6 +3,7 @@
     trimtab bench --fleet examples/fleet-hetero.yaml --workload examples/workload-mixed.yaml \\
         --policies round_robin,least_request,cswrr_orca,reference,trimtab --duration 120 \\
         --seeds 42,1,2 --out benchmarks/results/bench-hetero
+    trimtab bench tiers --duration 15 --rate 14 --seeds 1,2   # request tiers (issue 16)
 
 Starts the simulated fleet once (``trimtab sim``), then per policy: Envoy (static config for
 the baselines; ADS from ``trimtab serve`` for trimtab and for the reference controller), waits until Envoy routes to every
@@ -454,6 +455,11 @@ def run_bench(s: BenchSettings, w: Workload, model: str, seeds: Sequence[int] | 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tiers"]:  # the scenario of issue 16: text, VL and long-generation pools
+        from trimtab_dev.bench.tiers import main as tiers
+
+        return tiers(argv[1:])
     args = build_parser().parse_args(argv)
     if args.report_only:
         try:

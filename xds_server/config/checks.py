@@ -177,14 +177,16 @@ def _version_checks(config: Config, names: set[str]) -> Problems:
 
 def _tier_checks(config: Config, names: set[str]) -> Problems:
     problems = []
-    tiers = {rule.tier for rule in config.classifier.rules} if config.classifier else set()
+    tiers = ({rule.tier for rule in config.classifier.rules} | set(config.classifier.learned_tiers)
+             if config.classifier else set())
     for p, pool in enumerate(config.pools):
         for tier, target in (pool.intent_tiers or {}).items():
             path = f"pools[{p}].intent_tiers.{tier}"
             if config.classifier is None:
                 problems.append((path, "intent tiers need a top-level `classifier`"))
             elif tier not in tiers:
-                problems.append((path, f"no classifier rule puts requests in tier {tier!r}"))
+                problems.append((path, f"no classifier rule puts requests in tier {tier!r} "
+                                       f"(nor classifier.learned_tiers)"))
             if target not in names or target == pool.name:
                 problems.append((path, f"expected another pool's name, got {target!r}"))
     return problems

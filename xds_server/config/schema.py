@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from xds_server.config.addresses import is_ip, parse_host_port
+from xds_server.config.addresses import HostPort, is_ip, parse_host_port
 from xds_server.config.base import Addressed, Model, SourceName
 from xds_server.config.pools import PoolConfig
 
@@ -107,17 +107,24 @@ class ClassifierRuleConfig(Model):
 
 
 class ClassifierConfig(Model):
-    """`trimtab classify`: an Envoy ext_proc service that puts a request in an intent tier.
-    Envoy fails open: a timeout or an outage routes to the pool's default."""
+    """The intent classifier: an Envoy ext_proc service that puts a request in an intent tier,
+    run by `trimtab serve` itself (``embedded``) or by `trimtab classify`. Envoy fails open:
+    a timeout or an outage routes to the pool's default."""
 
-    address: str = "127.0.0.1:18081"               # where `trimtab classify` listens (IP:port)
+    embedded: bool = True                          # `trimtab serve` runs it (pools with tiers)
+    address: str = "127.0.0.1:18081"               # where the classifier listens (IP:port)
+    envoy_address: str | None = None               # where Envoy dials it; default: `address`
     message_timeout_ms: int = Field(50, ge=1, le=10_000)
     max_body_bytes: int = Field(1024 * 1024, ge=1024, le=8 * 1024 * 1024)  # larger: default
     max_text_chars: int = Field(16_384, ge=16, le=1_000_000)  # of the last user message
     metrics_address: str | None = None             # Prometheus /metrics of the classifier
     rules: list[ClassifierRuleConfig] = Field(min_length=1)
+    # "module:factory": factory(ClassifierConfig) -> an object with classify(text) -> tier | None,
+    # asked when no rule matches; loaded in the classifier's process, never in trimtab serve's
+    learned: str | None = Field(None, pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+    learned_tiers: list[str] = Field(default_factory=list, max_length=1000)  # tiers it may answer
 
-    @field_validator("address", "metrics_address")
+    @field_validator("address", "envoy_address", "metrics_address")
     @classmethod
     def _check_address(cls, value: str | None) -> str | None:
         if value is not None:
@@ -126,6 +133,16 @@ class ClassifierConfig(Model):
                 raise ValueError(f"expected an IP address (Envoy connects to a socket address), "
                                  f"got {host!r}")
         return value
+
+    @property
+    def dial_address(self) -> HostPort:
+        """Where Envoy's classifier cluster connects: ``envoy_address``, else ``address``
+        with a wildcard host (0.0.0.0, ::) read as this host's loopback."""
+        if self.envoy_address is not None:
+            return parse_host_port(self.envoy_address)
+        where = parse_host_port(self.address)
+        loopback = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(where.host, where.host)
+        return HostPort(loopback, where.port)
 
 
 class ListenerConfig(Addressed):

@@ -30,7 +30,6 @@ from envoy.extensions.filters.http.lua.v3 import lua_pb2  # noqa: F401 - registe
 from envoy.extensions.upstreams.http.v3 import http_protocol_options_pb2
 from google.protobuf import json_format
 
-from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import NumberRangeConfig, PoolConfig, RequestClassConfig
 from xds_server.config.schema import Config
 
@@ -391,7 +390,7 @@ def extra_clusters(config: Config) -> list[cluster_pb2.Cluster]:
     if not classifier_used(config):
         return []
     assert config.classifier is not None
-    where = parse_host_port(config.classifier.address)
+    where = config.classifier.dial_address  # the embedded classifier, or `trimtab classify`
     endpoint = {"endpoint": {"address": {"socket_address": {"address": where.host,
                                                             "port_value": where.port}}}}
     options = http_protocol_options_pb2.HttpProtocolOptions()
