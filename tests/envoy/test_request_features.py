@@ -18,7 +18,8 @@ from xds_server.cli import EXIT_BAD_INPUT, main
 from xds_server.config.load import parse_config
 from xds_server.config.schema import Config
 from xds_server.envoy.clusters import build_clusters
-from xds_server.envoy.request_features import local_reply_config, version_cluster
+from xds_server.envoy.local_replies import local_reply_config
+from xds_server.envoy.request_features import version_cluster
 from xds_server.envoy.routes import build_listener, build_route_config, http_filters
 from xds_server.envoy.views import pool_closure, pool_clusters
 

@@ -34,6 +34,7 @@ from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy import request_features
+from xds_server.envoy.local_replies import local_reply_config
 from xds_server.envoy.prompt_classes import AutoClass
 
 LISTENER_NAME = "trimtab-listener"
@@ -250,7 +251,7 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         "rds": {"route_config_name": ROUTE_CONFIG_NAME,
                 "config_source": {"ads": {}, "resource_api_version": "V3"}},
         "http_filters": http_filters(config),
-        "local_reply_config": request_features.local_reply_config(config),
+        "local_reply_config": local_reply_config(config),
         "request_timeout": "0s",  # LLM requests stream for minutes
         "stream_idle_timeout": ROUTE_IDLE_TIMEOUT,
     }

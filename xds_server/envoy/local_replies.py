@@ -1,0 +1,92 @@
+"""Answers when nothing can serve: ``local_reply_config`` mappers turn Envoy's own replies,
+picked by response flag (UH no healthy upstream, UO overflow, UT timeout, ...), into
+OpenAI-shaped JSON errors (``{"error": {"message", "type", "code"}}``) with the right status
+and ``Retry-After``; a pool's ``static_response`` answers instead of its 503 when it has no
+healthy host. Measured facts: docs/envoy-routing-notes.md."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from xds_server.config.pools import PoolConfig
+from xds_server.config.schema import Config
+from xds_server.envoy.request_features import MODEL_HEADER, _metadata
+
+# Flags of "no server could take it": none healthy (UH); or, since Envoy's panic threshold
+# still sends requests to a pool whose hosts are all unhealthy or draining, none reachable.
+_UNREACHABLE = ["UF", "URX", "UR", "UC", "LR"]
+# (response flags, status, type, code, message, with Retry-After)
+_REPLIES: list[tuple[list[str], int, str, str, str, bool]] = [
+    (["UH"], 503, "server_error", "no_healthy_upstream",
+     "No server for this model is available right now.", True),
+    (["UO"], 503, "server_error", "overloaded",
+     "The servers for this model are at capacity.", True),
+    (_UNREACHABLE, 503, "server_error", "upstream_unavailable",
+     "The server for this model could not be reached.", True),
+    (["NC"], 503, "server_error", "no_cluster",
+     "This model's servers are not configured yet.", True),
+    (["UT", "UMSDR"], 504, "timeout", "upstream_timeout",
+     "The server for this model did not answer in time.", False),
+    (["SI"], 504, "timeout", "stream_idle_timeout",
+     "The stream was idle for too long.", False),
+]
+
+
+def _retry_after(config: Config) -> list[dict[str, Any]]:
+    seconds = config.listener.local_replies.retry_after_seconds
+    if seconds <= 0:
+        return []
+    return [{"header": {"key": "retry-after", "value": str(seconds)},
+             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+
+
+def _error_body(message: str, kind: str, code: str) -> dict[str, Any]:
+    """A fixed JSON body. Not `json_format`: that is a Struct (a map), and a map inside the
+    HCM's Any would serialise in a per-process order, so replicas (and restarts) would disagree
+    on the listener's version."""
+    body = json.dumps({"error": {"message": message, "type": kind, "code": code}},
+                      sort_keys=True)
+    return {"text_format_source": {"inline_string": body}, "content_type": "application/json"}
+
+
+def _for_pool(pool: PoolConfig) -> dict[str, Any]:
+    """A request is the pool's when its x-model header names the model, or it has no such
+    header and its body does (the order the routes use)."""
+    by_header = {"header_filter": {"header": {"name": MODEL_HEADER,
+                                              "string_match": {"exact": pool.model}}}}
+    no_header = {"header_filter": {"header": {"name": MODEL_HEADER, "present_match": False}}}
+    in_body = {"metadata_filter": {"matcher": _metadata(
+        "model", {"string_match": {"exact": pool.model}})}}
+    return {"or_filter": {"filters": [by_header,
+                                      {"and_filter": {"filters": [no_header, in_body]}}]}}
+
+
+def _static_mapper(pool: PoolConfig) -> dict[str, Any]:
+    static = pool.static_response
+    assert static is not None
+    flag = {"response_flag_filter": {"flags": ["UH", "NC", *_UNREACHABLE]}}
+    return {"filter": {"and_filter": {"filters": [flag, _for_pool(pool)]}},
+            "status_code": static.status,
+            "body": {"inline_string": static.body},
+            "body_format_override": {"text_format_source": {"inline_string": "%LOCAL_REPLY_BODY%"},
+                                     "content_type": static.content_type}}
+
+
+def local_reply_config(config: Config) -> dict[str, Any]:
+    """HCM ``local_reply_config``: per-pool static answers first, then the JSON errors.
+    Route ``direct_response``s (our 404/400 JSON) carry no response flag and stay as they are."""
+    mappers = [_static_mapper(pool) for pool in config.pools if pool.static_response is not None]
+    for flags, status, kind, code, message, retry in _REPLIES:
+        mapper: dict[str, Any] = {"filter": {"response_flag_filter": {"flags": flags}},
+                                  "status_code": status,
+                                  "body_format_override": _error_body(message, kind, code)}
+        if retry and _retry_after(config):
+            mapper["headers_to_add"] = _retry_after(config)
+        mappers.append(mapper)
+    too_large = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": 413, "runtime_key": "trimtab.local_reply.413"}}}}
+    mappers.append({"filter": too_large, "body_format_override": _error_body(
+        "The request body is larger than this gateway accepts.", "invalid_request_error",
+        "request_too_large")})
+    return {"mappers": mappers}
