@@ -84,7 +84,11 @@ from weight_calculator.composite import (
     assess_pool,
     complete_pool,
 )
+from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights
+
+__all__ = ["SPLITS", "QueueingPolicy", "Reading", "compute_queueing_weights",
+           "equal_spare_split", "rates", "square_root_split"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,7 @@ class QueueingPolicy:
     kv_degraded: float = 0.95
     staleness: Staleness = "saturated"
     stale_after_seconds: float = 6.0
-    split: str = "square_root"  # or "proportional" (measured worse: docs/results/weights.md)
+    split: str = "equal_spare"  # or "square_root", "proportional" (docs/results/weights.md)
     utilisation: str = "saturated"  # or "kv" (see the module docstring)
     work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
     in_flight_share: float = 0.5  # a running request's remaining work, in mean requests
@@ -126,14 +130,19 @@ class QueueingPolicy:
     # At most this share of a pool on standby, else none is: 0.5 keeps it above Envoy's panic
     # threshold; a pool with a fallback needs STANDBY_WITH_FALLBACK (see there).
     max_standby_share: float = 0.5
+    # Envoy's least_request divides each weight by (active + 1) ** bias; the weights are
+    # multiplied by (in flight + 1) ** bias so that its picks follow the shares (0: round
+    # robin, which follows the weights as they are). The caller passes the pool's LB.
+    active_request_bias: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {
-            "split": self.split in ("proportional", "square_root"),
+            "split": self.split == "proportional" or self.split in SPLITS,
             "utilisation": self.utilisation in ("saturated", "kv"),
             "work": self.work in ("tokens", "prompt"),
             "in_flight_share": 0 <= self.in_flight_share <= 1,
             "max_standby_share": 0 <= self.max_standby_share <= 0.5,
+            "active_request_bias": 0 <= self.active_request_bias <= 100,
             "max_weight": self.max_weight >= MIN_WEIGHT,
             "horizon_seconds": 0 < self.horizon_seconds < math.inf,
             "window_seconds": 0 < self.window_seconds < math.inf,
@@ -172,10 +181,17 @@ class Rates:
     saturated_seconds: float  # time with requests waiting at both ends of an interval
 
 
-def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv") -> float | None:
-    """1 when requests waited throughout; otherwise, in mode ``kv``, the mean KV use (None
-    when unknown), in mode ``saturated`` 0 (the interval only bounds the rate from below)."""
-    if a.waiting >= 1 and b.waiting >= 1:
+def _full(r: Reading, kv_full: float) -> bool:
+    """The engine could take no more work: requests waiting, or its KV cache (nearly) full."""
+    return r.waiting >= 1 or (r.kv_usage is not None and r.kv_usage >= kv_full)
+
+
+def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv",
+                 kv_full: float = 1.0) -> float | None:
+    """1 when the engine was full at both ends (``_full``); otherwise, in mode ``kv``, the
+    mean KV use (None when unknown), in mode ``saturated`` 0 (the interval only bounds the
+    rate from below)."""
+    if _full(a, kv_full) and _full(b, kv_full):
         return 1.0
     if mode == "saturated":
         return 0.0
@@ -207,7 +223,7 @@ def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Ra
         span += dt
         work += d_work
         done += d_done
-        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation)
+        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation, policy.kv_degraded)
         if u == 1.0:
             saturated += dt
         if u:
@@ -219,30 +235,6 @@ def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Ra
     enough = busy >= policy.horizon_seconds and busy_work > 0
     service = busy_work / busy if enough else None
     return Rates(work / span, service, work, done, saturated)
-
-
-# --- the pool's split ---------------------------------------------------------------------------
-
-
-def square_root_split(mu: Mapping[str, float], lam: float) -> dict[str, float]:
-    """Arrival rate per endpoint minimising the mean sojourn time of independent M/M/1
-    queues with service rates ``mu`` under total arrival rate ``lam``:
-    ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu))`` over the endpoints that keep a
-    positive share (the others get 0). Proportional to ``mu`` when ``lam >= M``."""
-    active = {a: m for a, m in mu.items() if m > 0}
-    total = sum(active.values())
-    if not active or lam >= total:
-        return {a: (m if m > 0 else 0.0) for a, m in mu.items()}
-    while True:
-        spare = sum(active.values()) - lam
-        roots = sum(math.sqrt(m) for m in active.values())
-        split = {a: m - math.sqrt(m) * spare / roots for a, m in active.items()}
-        dropped = [a for a, r in split.items() if r <= 0]
-        if not dropped or len(dropped) == len(split):
-            break
-        for a in dropped:
-            del active[a]
-    return {a: max(0.0, split.get(a, 0.0)) for a in mu}
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -325,9 +317,10 @@ STANDBY_WITH_FALLBACK = 1.0 - 1.0 / 1.4
 STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (no new requests)
 
 
-def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
-              previous: EndpointWeight | None, rated: bool, policy: QueueingPolicy,
-              standby: bool = False) -> EndpointWeight:
+def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
+              previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
+              pool_full: bool) -> EndpointWeight:
+    """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint."""
     a = e.assessed
     signals = a.signals
     waiting = signals.get("queue", 0.0)
@@ -336,21 +329,21 @@ def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
                       "saturated_seconds": e.rates.saturated_seconds,
                       "backlog": backlog, "predicted_wait_s": backlog / mu if mu > 0 else 0.0,
                       "target_rate": share})
-    if rated:
+    if e.service_rate is not None:
         breakdown["service_rate"] = mu
+    breakdown["service_rate_used"] = mu  # measured, else the prior (prompt classes read it)
     kv = signals.get("kv_usage")
-    if kv is not None and kv >= policy.kv_degraded:
+    if kv is not None and kv >= policy.kv_degraded and not pool_full:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (
             f"degraded: kv_usage {kv:g} >= {policy.kv_degraded:g}")
         breakdown["target_weight"] = float(MIN_WEIGHT)
     elif standby:
         weight, health = MIN_WEIGHT, STANDBY
-        reason = (f"{a.reason}; standby: the square-root split gives it no share at this load "
+        reason = (f"{a.reason}; standby: its share of the load is below one weight unit "
                   f"(its rate {mu:.0f} tokens/s)")
         breakdown["target_weight"] = float(MIN_WEIGHT)
     else:
-        target = _clamp(round(policy.max_weight * share / top), policy) if top > 0 else (
-            policy.max_weight)
+        target = _clamp(round(units), policy)
         breakdown["target_weight"] = float(target)
         prior = previous.weight if previous is not None else None
         weight, health, reason = smooth(target, prior, policy), HEALTHY, a.reason
@@ -359,6 +352,23 @@ def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
     breakdown["weight"] = float(weight)
     return EndpointWeight(weight, a.last_failed, False, signals, a.updated_at, reason, health,
                           breakdown)
+
+
+def _in_flight(e: _Estimate) -> float:
+    signals = e.assessed.signals
+    return signals.get("queue", 0.0) + signals.get("running", 0.0)
+
+
+def _standby(units: Mapping[str, float], left_out: set[str], policy: QueueingPolicy
+             ) -> set[str]:
+    """Endpoints that get no new requests: those the split left out and those whose share
+    is below one weight unit (the floor of 1 would give them more than their share), the
+    smallest first, at most ``max_standby_share`` of the pool."""
+    if not policy.standby:
+        return set()
+    candidates = sorted((a for a, u in units.items() if a in left_out or u < MIN_WEIGHT),
+                        key=lambda a: (units[a], a))
+    return set(candidates[:int(policy.max_standby_share * len(units) + 1e-9)])
 
 
 def compute_queueing_weights(
@@ -388,10 +398,9 @@ def compute_queueing_weights(
     mu = _filled(estimates)
     lam = sum(e.rates.throughput or 0.0 for e in estimates)
     rated = any(e.service_rate is not None for e in estimates)
-    split_applied = policy.split == "square_root" and rated and lam > 0
-    split = square_root_split(mu, lam) if split_applied else dict(mu)
+    split_applied = policy.split in SPLITS and rated and lam > 0
+    split = SPLITS[policy.split](mu, lam) if split_applied else dict(mu)
     per_request = _work_per_request(estimates)
-    endpoints: dict[str, EndpointWeight] = {}
     shares: dict[str, float] = {}
     backlogs: dict[str, float] = {}
     for e in estimates:
@@ -405,15 +414,20 @@ def compute_queueing_weights(
         else:  # no work counters: the queue alone, as 1 / (1 + waiting)
             backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
             shares[e.address] = split[e.address] / (1.0 + waiting)
-    top = max(shares.values(), default=0.0)
-    if top <= 0:  # every endpoint backlogged beyond its share: fall back to the rates
-        shares, top = dict(mu), max(mu.values(), default=0.0)
-    idle = {a for a, r in split.items() if r <= 0} if split_applied else set()
-    if len(idle) > policy.max_standby_share * len(estimates):  # keep the pool in service
-        idle = set()
-    for e in estimates:
-        endpoints[e.address] = _endpoint(e, mu[e.address], shares[e.address], top,
-                                         backlogs[e.address], held.get(e.address),
-                                         e.service_rate is not None, policy,
-                                         policy.standby and e.address in idle)
+    if max(shares.values(), default=0.0) <= 0:  # all backlogged beyond their share: the rates
+        shares = dict(mu)
+    # what Envoy's least_request will divide by, multiplied in so its picks follow the shares
+    scaled = {e.address: shares[e.address] * (1.0 + _in_flight(e)) ** policy.active_request_bias
+              for e in estimates}
+    top = max(scaled.values(), default=0.0)
+    units = {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
+             for a, v in scaled.items()}
+    left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
+    idle = _standby(units, left_out, policy)
+    full = bool(estimates) and all((e.assessed.signals.get("kv_usage") or 0.0)
+                                   >= policy.kv_degraded for e in estimates)
+    endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address], units[e.address],
+                                      backlogs[e.address], held.get(e.address), policy,
+                                      e.address in idle, full)
+                 for e in estimates}
     return complete_pool(pool, endpoints, shared)

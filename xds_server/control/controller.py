@@ -342,7 +342,10 @@ class Controller:
             read = {a: (o.sample.signals.get("kv_capacity_tokens") if o.sample else None)
                     for a, o in self.store.observations(addresses).items()}
             configured = {ep.address: ep.capacity for ep in pool.endpoints}
-            classes = derive_classes(pool.name, capacities_of(addresses, configured, read))
+            classes = derive_classes(pool.name, capacities_of(addresses, configured, read),
+                                     self._service_rates(pool.name),
+                                     self.config.telemetry.interval_seconds,
+                                     self.auto.get(pool.name, ()))
             if classes:
                 auto[pool.name] = classes
         if auto != self.auto:
@@ -352,6 +355,15 @@ class Controller:
             self.auto = auto
             self._auto_clusters = self._build_auto_clusters()
             self._routes = build_route_config(self.config, self.canary_percent, self.auto)
+
+    def _service_rates(self, cluster: str) -> dict[str, float | None]:
+        """Each endpoint's service rate (tokens/s) from the queueing weights' breakdown:
+        measured, else its prior; empty under the other policies (no prefill cap)."""
+        weights = self.weights.get(cluster)
+        if weights is None:
+            return {}
+        return {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
+                for a, ew in weights.endpoints.items()}
 
     def _build_auto_clusters(self) -> list[Message]:
         return [build_cluster(self.config.pool(name), c.cluster)
