@@ -11,8 +11,8 @@ Per endpoint, over the readings of the last ``window_seconds``:
 * **Work** is prompt plus generation tokens (``vllm:prompt_tokens_total`` +
   ``vllm:generation_tokens_total``), the throughput ``X`` their delta over time.
 * **Service rate** ``mu``: the throughput *at the utilisation seen*. An interval between two
-  reads with requests waiting at both ends found the engine full, so what it did then is its
-  capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
+  reads that found the engine full at both ends (requests waiting, or the KV cache at
+  ``kv_degraded`` or more: no room for another) measured its capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
   the default). Any other interval only bounds ``mu`` from below (it did at least ``X``).
   There is a measurement only once the window holds one horizon (``H``) of queued time.
   ``utilisation: kv`` also counts unqueued intervals, scaled up by their mean KV use
@@ -34,32 +34,49 @@ Per endpoint, over the readings of the last ``window_seconds``:
   H100 reached 217 running requests at 99.5 % KV while its twin had 122, when only waiting
   requests counted.
 
-The pool's arrival rate ``lam`` is the sum of the throughputs. The traffic share follows the
-square-root rule for parallel queues (the split that minimises the mean sojourn time of
-independent M/M/1 servers): ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu_j))`` with
-``M = sum(mu)``, endpoints whose ``r_i`` would be negative left out and the rest recomputed.
-Fast endpoints are loaded more than in proportion to their rate and a slow one only when the
-fast ones would otherwise queue. When the pool is overloaded (``lam >= M``) the share is
-proportional to ``mu``. Then the predicted wait discounts it, in units of the horizon over
-which the weight will hold (``H = horizon_seconds``, the telemetry interval): ``r_i = r_i /
-(1 + W_i / H)`` with ``W_i = q_i / mu_i``; ``target = max_weight * r_i / max r``, clamped to
-``[1, max_weight]``. A queue that a big GPU clears in a fraction of a tick costs it little; a
-small GPU whose queue means ten seconds loses nearly all of its share at once.
+The pool's arrival rate ``lam`` is the sum of the throughputs. The traffic share
+(:mod:`weight_calculator.splits`) is by default the **equal-spare** split: every endpoint in
+use keeps the same spare rate, ``r_i = mu_i - (M - lam) / n`` with ``M`` the sum of the
+``n`` used endpoints' rates, an endpoint slower than that spare left out and the rest
+recomputed. An M/M/1 queue's response time has the tail ``exp(-(mu - r) t)``, so the pool's
+P99 is set by the smallest spare ``mu_i - r_i``; this split maximises it (measured on the
+heterogeneous fleet it gave the A100s about 18 % of the requests where the square-root rule
+gave 23 %, and a lower P99 and P50: docs/results/weights.md, round 2). ``split:
+square_root`` (round 1's default) minimises the mean sojourn time instead, ``r_i = mu_i -
+sqrt(mu_i) * (M - lam) / sum(sqrt(mu_j))``. When the pool is overloaded (``lam >= M``) the
+share is proportional to ``mu``. Then the predicted wait discounts it, in units of the
+horizon over which the weight will hold (``H = horizon_seconds``, the telemetry interval):
+``r_i = r_i / (1 + W_i / H)`` with ``W_i = q_i / mu_i``. A queue that a big GPU clears in a
+fraction of a tick costs it little; a small GPU whose queue means ten seconds loses nearly
+all of its share at once.
 
-An endpoint the square-root split leaves out (``r_i = 0``: the others serve this load with
-shorter waits) is put on **standby**: health ``STANDBY``, sent to Envoy as ``DRAINING``, so it
-gets no new requests rather than the 1 % that the weight floor of 1 would still send it (on
-the mixed workload that 1 % sent an L4 a 32k-token prompt every few minutes, and the chats
-queued behind it were a third of the slowest 3 %). It is back in service at the next tick
-the split includes it; never more than half of a pool is on standby (below that Envoy's
-panic threshold would ignore health anyway). ``standby: false`` keeps weight 1 instead.
+**Envoy's divisor.** Envoy's weighted least_request picks a host in proportion to ``weight /
+(active + 1) ** bias``; a host with many requests in flight (a fast GPU at the share it
+should have) is thereby picked less than its weight says, and the split Envoy serves drifts
+toward equal in-flight counts (round 1: the A100s and L4s got a quarter of the requests
+whatever their weights). The weights therefore carry the divisor: ``target = max_weight *
+s_i / max s`` with ``s_i = r_i * (running_i + waiting_i + 1) ** active_request_bias``
+(``active_request_bias`` 0, no factor, for round robin; the caller passes the pool's), clamped
+to ``[1, max_weight]``. Between ticks Envoy still divides by the host's current count, so a
+host whose count grows past the tick's is picked less at once.
+
+An endpoint the split leaves out (``r_i = 0``: the others serve this load with a larger spare)
+or whose share is below one weight unit (``max_weight * s_i / max s < 1``: the floor of 1
+would give it more than its share) is put on **standby**: health ``STANDBY``, sent to Envoy
+as ``DRAINING``, so it gets no new requests rather than the 1 % that the weight floor of 1
+would still send it (on the mixed workload that 1 % sent an L4 a 32k-token prompt every few
+minutes, and the chats queued behind it were a third of the slowest 3 %). It is back in
+service at the next tick the split includes it; never more than ``max_standby_share`` (half)
+of a pool is on standby, the smallest shares first (below that Envoy's panic threshold would
+ignore health anyway). ``standby: false`` keeps weight 1 instead.
 
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
 applies at once (an overloaded endpoint loses its traffic within one tick); a rise moves
 ``rise_alpha`` of the way (a recovered endpoint is trusted gradually).
 
-Staleness, invalid inputs, fail-static and DEGRADED at ``kv_degraded`` behave exactly as in
+Staleness, invalid inputs, fail-static and DEGRADED at ``kv_degraded`` (not when every usable
+endpoint of the pool is that full: that is load, not a fault) behave exactly as in
 the composite policy (:mod:`weight_calculator.composite`, whose assessment this module
 reuses); readings need not be present (a server without the counters is weighted by its
 capacity prior and its queue).
@@ -84,28 +101,12 @@ from weight_calculator.composite import (
     assess_pool,
     complete_pool,
 )
+from weight_calculator.service_rate import Rates, Reading, rates
 from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 __all__ = ["SPLITS", "QueueingPolicy", "Reading", "compute_queueing_weights",
            "equal_spare_split", "rates", "square_root_split"]
-
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """One read of an endpoint's counters and gauges (cumulative counters, as exported)."""
-
-    at: float  # unix seconds of the read
-    requests_done: float | None  # finished requests (vllm:request_success_total)
-    tokens: float | None  # prompt + generation tokens computed
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float | None = None
-    prompt_tokens: float | None = None  # prefill tokens alone (vllm:prompt_tokens_total)
-
-    def work(self, kind: str) -> float | None:
-        """Cumulative work: ``tokens`` (prompt + generation) or ``prompt`` (prefill only)."""
-        return self.prompt_tokens if kind == "prompt" else self.tokens
 
 
 @dataclass(frozen=True)
@@ -165,76 +166,6 @@ class QueueingPolicy:
                                queue_cap=1e18, max_weight=self.max_weight,
                                kv_degraded=self.kv_degraded, staleness=self.staleness,
                                stale_after_seconds=self.stale_after_seconds)
-
-
-# --- rates from readings ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Rates:
-    """What an endpoint's readings in the window say."""
-
-    throughput: float | None  # work per second actually done (tokens/s); None: no counters
-    service_rate: float | None  # work per second at full utilisation; None: no evidence
-    work: float  # tokens done in the window
-    done: float  # requests finished in the window
-    saturated_seconds: float  # time with requests waiting at both ends of an interval
-
-
-def _full(r: Reading, kv_full: float) -> bool:
-    """The engine could take no more work: requests waiting, or its KV cache (nearly) full."""
-    return r.waiting >= 1 or (r.kv_usage is not None and r.kv_usage >= kv_full)
-
-
-def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv",
-                 kv_full: float = 1.0) -> float | None:
-    """1 when the engine was full at both ends (``_full``); otherwise, in mode ``kv``, the
-    mean KV use (None when unknown), in mode ``saturated`` 0 (the interval only bounds the
-    rate from below)."""
-    if _full(a, kv_full) and _full(b, kv_full):
-        return 1.0
-    if mode == "saturated":
-        return 0.0
-    if a.kv_usage is None or b.kv_usage is None:
-        return None
-    u = (a.kv_usage + b.kv_usage) / 2.0
-    return u if u >= floor else 0.0
-
-
-def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Rates:
-    """Throughput and utilisation-corrected service rate over ``policy.window_seconds``.
-
-    An interval whose counters went backwards (a restart) or whose clock did not advance is
-    skipped; so is one with too little utilisation to say anything about the rate."""
-    start = now - policy.window_seconds
-    kind = policy.work
-    points = sorted((r for r in readings if start <= r.at <= now and r.work(kind) is not None),
-                    key=lambda r: r.at)
-    span = work = done = busy = busy_work = saturated = 0.0
-    for a, b in zip(points, points[1:], strict=False):
-        dt = b.at - a.at
-        wa, wb = a.work(kind), b.work(kind)
-        assert wa is not None and wb is not None
-        d_work = wb - wa
-        d_done = (b.requests_done - a.requests_done
-                  if a.requests_done is not None and b.requests_done is not None else 0.0)
-        if dt <= 0 or d_work < 0 or d_done < 0:
-            continue
-        span += dt
-        work += d_work
-        done += d_done
-        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation, policy.kv_degraded)
-        if u == 1.0:
-            saturated += dt
-        if u:
-            busy += dt * u
-            busy_work += d_work
-    if span <= 0:
-        return Rates(None, None, 0.0, 0.0, 0.0)
-    # enough evidence: one horizon's worth of full-utilisation-equivalent busy time
-    enough = busy >= policy.horizon_seconds and busy_work > 0
-    service = busy_work / busy if enough else None
-    return Rates(work / span, service, work, done, saturated)
 
 
 # --- weights ----------------------------------------------------------------------------------
