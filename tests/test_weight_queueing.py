@@ -377,3 +377,18 @@ def test_a_pool_whose_every_kv_cache_is_full_is_loaded_not_degraded() -> None:
     readings["c"] = history(5000.0, waiting=3.0, kv=0.5)
     w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
     assert [a for a, e in w.endpoints.items() if e.health == "DEGRADED"] == ["a", "b"]
+
+
+def test_the_divisor_uses_the_count_at_the_share_so_a_piled_up_twin_gets_less() -> None:
+    """Two equal endpoints, one holding 100 requests and the other 20: multiplying by the
+    counts seen gave the piled-up one the higher weight (100 : 90, measured as two H100s
+    trading a 100-request pile); by Little's law it holds more than its share would, so its
+    factor is scaled down by share / throughput and Envoy sends it less."""
+    inputs = {"a": inp(kv=0.3, running=100.0), "b": inp(kv=0.3, running=20.0)}
+    readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0),
+                                 NOW, None)
+    a, b = w.endpoints["a"], w.endpoints["b"]
+    assert b.weight == 100 and a.weight < b.weight / 2
+    # Envoy picks by weight / (active + 1): the piled-up one is picked far less
+    assert a.weight / 101 < (b.weight / 21) / 4

@@ -55,10 +55,14 @@ all of its share at once.
 should have) is thereby picked less than its weight says, and the split Envoy serves drifts
 toward equal in-flight counts (round 1: the A100s and L4s got a quarter of the requests
 whatever their weights). The weights therefore carry the divisor: ``target = max_weight *
-s_i / max s`` with ``s_i = r_i * (running_i + waiting_i + 1) ** active_request_bias``
-(``active_request_bias`` 0, no factor, for round robin; the caller passes the pool's), clamped
-to ``[1, max_weight]``. Between ticks Envoy still divides by the host's current count, so a
-host whose count grows past the tick's is picked less at once.
+s_i / max s`` with ``s_i = r_i * (a_i + 1) ** active_request_bias`` (``active_request_bias``
+0, no factor, for round robin; the caller passes the pool's), clamped to ``[1,
+max_weight]``. ``a_i`` is the count the endpoint would hold *at its share*: by Little's law
+the count seen (running + waiting) times ``min(1, r_i / X_i)``. Multiplying by the count
+seen instead cancelled Envoy's balancing: measured, one H100 held 95-133 requests (predicted
+wait 8-10 s) at weight 100 while its twin held 20-30 at 9-53, and the two swapped
+(docs/results/weights.md, round 2). Between ticks Envoy still divides by the host's current
+count, so a host whose count grows past the tick's is picked less at once.
 
 An endpoint the split leaves out (``r_i = 0``: the others serve this load with a larger spare)
 or whose share is below one weight unit (``max_weight * s_i / max s < 1``: the floor of 1
@@ -285,9 +289,18 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
                           breakdown)
 
 
-def _in_flight(e: _Estimate) -> float:
+def _in_flight_at_share(e: _Estimate, share: float, rated: bool) -> float:
+    """The requests the endpoint would hold in flight at its share: by Little's law the
+    count seen (running + waiting) scaled by share / throughput, never above the count
+    seen. An endpoint past its share (a queue building) so gets a smaller factor than its
+    count, and Envoy, dividing by the count it sees, sends it less; at its share the two
+    agree. Unscaled before any rate is measured (the shares are not in tokens/s then)."""
     signals = e.assessed.signals
-    return signals.get("queue", 0.0) + signals.get("running", 0.0)
+    seen = signals.get("queue", 0.0) + signals.get("running", 0.0)
+    done = e.rates.throughput
+    if not rated or done is None or done <= 0:
+        return seen
+    return seen * min(1.0, share / done)
 
 
 def _standby(units: Mapping[str, float], left_out: set[str], policy: QueueingPolicy
@@ -348,7 +361,9 @@ def compute_queueing_weights(
     if max(shares.values(), default=0.0) <= 0:  # all backlogged beyond their share: the rates
         shares = dict(mu)
     # what Envoy's least_request will divide by, multiplied in so its picks follow the shares
-    scaled = {e.address: shares[e.address] * (1.0 + _in_flight(e)) ** policy.active_request_bias
+    bias = policy.active_request_bias
+    scaled = {e.address: shares[e.address]
+              * (1.0 + _in_flight_at_share(e, shares[e.address], rated)) ** bias
               for e in estimates}
     top = max(scaled.values(), default=0.0)
     units = {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
