@@ -2,7 +2,8 @@
 
     python benchmarks/weights_round2.py benchmarks/results/r2 [docs/results/weights-round2.json]
 
-Reads ``ROOT/<scenario>/seed-<S>/bench.json`` (a ``--seeds`` run's layout) and prints one
+Reads ``ROOT/<scenario>/seed-<S>/bench.json`` (a ``--seeds`` run's layout; or
+``ROOT/<scenario>/bench.json``, a ``--seed`` run's) and prints one
 markdown table per scenario: trimtab's P99 TTFT against reference and cswrr_orca, its P50
 TTFT and output tokens/s against least_request, its P99 against least_request, and the
 simulator's event-loop lag (p99 / max over trimtab's leg: the measurement's health). Every
@@ -39,7 +40,8 @@ def seed_row(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 def scenario(path: Path) -> list[dict[str, Any]]:
-    docs = [json.loads(p.read_text()) for p in sorted(path.glob("seed-*/bench.json"))]
+    files = sorted(path.glob("seed-*/bench.json")) or sorted(path.glob("bench.json"))
+    docs = [json.loads(p.read_text()) for p in files]
     return [seed_row(d) for d in docs]
 
 
@@ -71,7 +73,9 @@ def table(name: str, rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     root = Path(sys.argv[1])
     summary = {}
-    for path in sorted(p for p in root.iterdir() if p.is_dir() and any(p.glob("seed-*/bench.json"))):
+    for path in sorted(p for p in root.iterdir()
+                       if p.is_dir() and (any(p.glob("seed-*/bench.json"))
+                                          or (p / "bench.json").exists())):
         rows = scenario(path)
         summary[path.name] = rows
         print(table(path.name, rows))

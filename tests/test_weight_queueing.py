@@ -344,6 +344,13 @@ def test_least_request_divisor_is_multiplied_into_the_weights() -> None:
     9 and 19 requests in flight need weights 10 : 20 for equal picks (round robin: 1 : 1)."""
     assert _twins({"a": 9.0, "b": 19.0}, bias=0.0) == {"a": 100, "b": 100}
     assert _twins({"a": 9.0, "b": 19.0}, bias=1.0) == {"a": 50, "b": 100}
+    # without the divisor (for derived clusters, whose active counts are their own): equal
+    inputs = {a: inp(kv=0.3, running=n) for a, n in (("a", 9.0), ("b", 19.0))}
+    readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0,
+                                                                  in_flight_share=0.0), NOW, None)
+    assert {a: e.breakdown["share_weight"] for a, e in w.endpoints.items()} == {
+        "a": 100.0, "b": 100.0}
 
 
 def test_a_full_kv_cache_counts_as_saturated() -> None:

@@ -254,8 +254,10 @@ STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (n
 
 def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
               previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
-              pool_full: bool) -> EndpointWeight:
-    """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint."""
+              pool_full: bool, share_units: float) -> EndpointWeight:
+    """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint;
+    ``share_units`` the same without Envoy's divisor (``share_weight`` in the breakdown, for
+    clusters whose active counts are not the pool's: the derived prompt-size classes)."""
     a = e.assessed
     signals = a.signals
     waiting = signals.get("queue", 0.0)
@@ -285,6 +287,8 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
         if waiting:
             reason = f"{reason}; {waiting:g} waiting, predicted wait {breakdown['predicted_wait_s']:.1f}s"
     breakdown["weight"] = float(weight)
+    breakdown["share_weight"] = float(MIN_WEIGHT if health != HEALTHY
+                                      else _clamp(round(share_units), policy))
     return EndpointWeight(weight, a.last_failed, False, signals, a.updated_at, reason, health,
                           breakdown)
 
@@ -313,6 +317,12 @@ def _standby(units: Mapping[str, float], left_out: set[str], policy: QueueingPol
     candidates = sorted((a for a, u in units.items() if a in left_out or u < MIN_WEIGHT),
                         key=lambda a: (units[a], a))
     return set(candidates[:int(policy.max_standby_share * len(units) + 1e-9)])
+
+
+def _units(values: Mapping[str, float], policy: QueueingPolicy) -> dict[str, float]:
+    top = max(values.values(), default=0.0)
+    return {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
+            for a, v in values.items()}
 
 
 def compute_queueing_weights(
@@ -365,15 +375,14 @@ def compute_queueing_weights(
     scaled = {e.address: shares[e.address]
               * (1.0 + _in_flight_at_share(e, shares[e.address], rated)) ** bias
               for e in estimates}
-    top = max(scaled.values(), default=0.0)
-    units = {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
-             for a, v in scaled.items()}
+    units = _units(scaled, policy)
+    share_units = _units(shares, policy)
     left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
     idle = _standby(units, left_out, policy)
     full = bool(estimates) and all((e.assessed.signals.get("kv_usage") or 0.0)
                                    >= policy.kv_degraded for e in estimates)
     endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address], units[e.address],
                                       backlogs[e.address], held.get(e.address), policy,
-                                      e.address in idle, full)
+                                      e.address in idle, full, share_units[e.address])
                  for e in estimates}
     return complete_pool(pool, endpoints, shared)

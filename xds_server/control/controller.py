@@ -371,14 +371,23 @@ class Controller:
 
     def _auto_assignments(self, settings: Mapping[str, Mapping[str, EndpointSetting]]
                           ) -> list[Message]:
-        """Each derived cluster holds its members with the pool's own weights and health."""
+        """Each derived cluster holds its members with the pool's health and weights; under
+        the queueing policy the weights without Envoy's divisor (``share_weight``): Envoy
+        counts active requests per cluster, and a derived cluster carries only its class's
+        few, so the pool's in-flight factor would skew it (measured: long prompts piled on
+        the H100 whose pool-wide count was larger)."""
         out: list[Message] = []
         for name, classes in self.auto.items():
             pool = self.config.pool(name)
             by_address = {ep.address: ep for ep in pool.endpoints}
+            own = settings.get(name, {})
+            shares = self.weights.get(name)
+            derived = {a: EndpointSetting(int(ew.breakdown.get("share_weight", own[a].weight)),
+                                          own[a].health)
+                       for a, ew in (shares.endpoints.items() if shares else ()) if a in own}
             for c in classes:
                 members = [by_address[a] for a in c.addresses if a in by_address]
-                out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
+                out.append(build_load_assignment(c.cluster, members, derived or own))
         return out
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
