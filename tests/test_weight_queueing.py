@@ -399,3 +399,12 @@ def test_the_divisor_uses_the_count_at_the_share_so_a_piled_up_twin_gets_less() 
     assert b.weight == 100 and a.weight < b.weight / 2
     # Envoy picks by weight / (active + 1): the piled-up one is picked far less
     assert a.weight / 101 < (b.weight / 21) / 4
+
+
+def test_no_service_rate_is_reported_before_any_is_measured() -> None:
+    """Before any endpoint is measured the split runs on relative KV capacity, which is not a
+    rate: the prompt classes' prefill cap must not read it as tokens/s."""
+    inputs = {"a": inp(capacity=400_000.0), "b": inp(capacity=40_000.0)}
+    w = compute_queueing_weights(inputs, {}, POLICY, NOW, None)
+    assert not any("service_rate_used" in e.breakdown for e in w.endpoints.values())
+    assert w.endpoints["a"].weight == 100 and w.endpoints["b"].weight == 10

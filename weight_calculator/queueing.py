@@ -254,7 +254,7 @@ STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (n
 
 def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
               previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
-              pool_full: bool, share_units: float) -> EndpointWeight:
+              pool_full: bool, share_units: float, rated: bool = True) -> EndpointWeight:
     """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint;
     ``share_units`` the same without Envoy's divisor (``share_weight`` in the breakdown, for
     clusters whose active counts are not the pool's: the derived prompt-size classes)."""
@@ -268,7 +268,8 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
                       "target_rate": share})
     if e.service_rate is not None:
         breakdown["service_rate"] = mu
-    breakdown["service_rate_used"] = mu  # measured, else the prior (prompt classes read it)
+    if rated:  # measured, else the prior; not before any rate is (mu is a capacity then)
+        breakdown["service_rate_used"] = mu  # the prompt classes' prefill cap reads it
     kv = signals.get("kv_usage")
     if kv is not None and kv >= policy.kv_degraded and not pool_full:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (
@@ -383,6 +384,7 @@ def compute_queueing_weights(
                                    >= policy.kv_degraded for e in estimates)
     endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address], units[e.address],
                                       backlogs[e.address], held.get(e.address), policy,
-                                      e.address in idle, full, share_units[e.address])
+                                      e.address in idle, full, share_units[e.address],
+                                      rated)
                  for e in estimates}
     return complete_pool(pool, endpoints, shared)
