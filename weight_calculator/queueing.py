@@ -11,8 +11,8 @@ Per endpoint, over the readings of the last ``window_seconds``:
 * **Work** is prompt plus generation tokens (``vllm:prompt_tokens_total`` +
   ``vllm:generation_tokens_total``), the throughput ``X`` their delta over time.
 * **Service rate** ``mu``: the throughput *at the utilisation seen*. An interval between two
-  reads with requests waiting at both ends found the engine full, so what it did then is its
-  capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
+  reads that found the engine full at both ends (requests waiting, or the KV cache at
+  ``kv_degraded`` or more: no room for another) measured its capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
   the default). Any other interval only bounds ``mu`` from below (it did at least ``X``).
   There is a measurement only once the window holds one horizon (``H``) of queued time.
   ``utilisation: kv`` also counts unqueued intervals, scaled up by their mean KV use
@@ -34,32 +34,53 @@ Per endpoint, over the readings of the last ``window_seconds``:
   H100 reached 217 running requests at 99.5 % KV while its twin had 122, when only waiting
   requests counted.
 
-The pool's arrival rate ``lam`` is the sum of the throughputs. The traffic share follows the
-square-root rule for parallel queues (the split that minimises the mean sojourn time of
-independent M/M/1 servers): ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu_j))`` with
-``M = sum(mu)``, endpoints whose ``r_i`` would be negative left out and the rest recomputed.
-Fast endpoints are loaded more than in proportion to their rate and a slow one only when the
-fast ones would otherwise queue. When the pool is overloaded (``lam >= M``) the share is
-proportional to ``mu``. Then the predicted wait discounts it, in units of the horizon over
-which the weight will hold (``H = horizon_seconds``, the telemetry interval): ``r_i = r_i /
-(1 + W_i / H)`` with ``W_i = q_i / mu_i``; ``target = max_weight * r_i / max r``, clamped to
-``[1, max_weight]``. A queue that a big GPU clears in a fraction of a tick costs it little; a
-small GPU whose queue means ten seconds loses nearly all of its share at once.
+The pool's arrival rate ``lam`` is the sum of the throughputs. The traffic share
+(:mod:`weight_calculator.splits`) is by default the **equal-spare** split: every endpoint in
+use keeps the same spare rate, ``r_i = mu_i - (M - lam) / n`` with ``M`` the sum of the
+``n`` used endpoints' rates, an endpoint slower than that spare left out and the rest
+recomputed. An M/M/1 queue's response time has the tail ``exp(-(mu - r) t)``, so the pool's
+P99 is set by the smallest spare ``mu_i - r_i``; this split maximises it (measured on the
+heterogeneous fleet it gave the A100s about 18 % of the requests where the square-root rule
+gave 23 %, and a lower P99 and P50: docs/results/weights.md, round 2). ``split:
+square_root`` (round 1's default) minimises the mean sojourn time instead, ``r_i = mu_i -
+sqrt(mu_i) * (M - lam) / sum(sqrt(mu_j))``. When the pool is overloaded (``lam >= M``) the
+share is proportional to ``mu``. Then the predicted wait discounts it, in units of the
+horizon over which the weight will hold (``H = horizon_seconds``, the telemetry interval):
+``r_i = r_i / (1 + W_i / H)`` with ``W_i = q_i / mu_i``. A queue that a big GPU clears in a
+fraction of a tick costs it little; a small GPU whose queue means ten seconds loses nearly
+all of its share at once.
 
-An endpoint the square-root split leaves out (``r_i = 0``: the others serve this load with
-shorter waits) is put on **standby**: health ``STANDBY``, sent to Envoy as ``DRAINING``, so it
-gets no new requests rather than the 1 % that the weight floor of 1 would still send it (on
-the mixed workload that 1 % sent an L4 a 32k-token prompt every few minutes, and the chats
-queued behind it were a third of the slowest 3 %). It is back in service at the next tick
-the split includes it; never more than half of a pool is on standby (below that Envoy's
-panic threshold would ignore health anyway). ``standby: false`` keeps weight 1 instead.
+**Envoy's divisor.** Envoy's weighted least_request picks a host in proportion to ``weight /
+(active + 1) ** bias``; a host with many requests in flight (a fast GPU at the share it
+should have) is thereby picked less than its weight says, and the split Envoy serves drifts
+toward equal in-flight counts (round 1: the A100s and L4s got a quarter of the requests
+whatever their weights). The weights therefore carry the divisor: ``target = max_weight *
+s_i / max s`` with ``s_i = r_i * (a_i + 1) ** active_request_bias`` (``active_request_bias``
+0, no factor, for round robin; the caller passes the pool's), clamped to ``[1,
+max_weight]``. ``a_i`` is the count the endpoint would hold *at its share*: by Little's law
+the count seen (running + waiting) times ``min(1, r_i / X_i)``. Multiplying by the count
+seen instead cancelled Envoy's balancing: measured, one H100 held 95-133 requests (predicted
+wait 8-10 s) at weight 100 while its twin held 20-30 at 9-53, and the two swapped
+(docs/results/weights.md, round 2). Between ticks Envoy still divides by the host's current
+count, so a host whose count grows past the tick's is picked less at once.
+
+An endpoint the split leaves out (``r_i = 0``: the others serve this load with a larger spare)
+or whose share is below one weight unit (``max_weight * s_i / max s < 1``: the floor of 1
+would give it more than its share) is put on **standby**: health ``STANDBY``, sent to Envoy
+as ``DRAINING``, so it gets no new requests rather than the 1 % that the weight floor of 1
+would still send it (on the mixed workload that 1 % sent an L4 a 32k-token prompt every few
+minutes, and the chats queued behind it were a third of the slowest 3 %). It is back in
+service at the next tick the split includes it; never more than ``max_standby_share`` (half)
+of a pool is on standby, the smallest shares first (below that Envoy's panic threshold would
+ignore health anyway). ``standby: false`` keeps weight 1 instead.
 
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
 applies at once (an overloaded endpoint loses its traffic within one tick); a rise moves
 ``rise_alpha`` of the way (a recovered endpoint is trusted gradually).
 
-Staleness, invalid inputs, fail-static and DEGRADED at ``kv_degraded`` behave exactly as in
+Staleness, invalid inputs, fail-static and DEGRADED at ``kv_degraded`` (not when every usable
+endpoint of the pool is that full: that is load, not a fault) behave exactly as in
 the composite policy (:mod:`weight_calculator.composite`, whose assessment this module
 reuses); readings need not be present (a server without the counters is weighted by its
 capacity prior and its queue).
@@ -84,24 +105,13 @@ from weight_calculator.composite import (
     assess_pool,
     complete_pool,
 )
+from weight_calculator.health import STANDBY
+from weight_calculator.service_rate import Rates, Reading, rates
+from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights
 
-
-@dataclass(frozen=True, slots=True)
-class Reading:
-    """One read of an endpoint's counters and gauges (cumulative counters, as exported)."""
-
-    at: float  # unix seconds of the read
-    requests_done: float | None  # finished requests (vllm:request_success_total)
-    tokens: float | None  # prompt + generation tokens computed
-    running: float = 0.0
-    waiting: float = 0.0
-    kv_usage: float | None = None
-    prompt_tokens: float | None = None  # prefill tokens alone (vllm:prompt_tokens_total)
-
-    def work(self, kind: str) -> float | None:
-        """Cumulative work: ``tokens`` (prompt + generation) or ``prompt`` (prefill only)."""
-        return self.prompt_tokens if kind == "prompt" else self.tokens
+__all__ = ["SPLITS", "QueueingPolicy", "Reading", "compute_queueing_weights",
+           "equal_spare_split", "rates", "square_root_split"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,7 @@ class QueueingPolicy:
     kv_degraded: float = 0.95
     staleness: Staleness = "saturated"
     stale_after_seconds: float = 6.0
-    split: str = "square_root"  # or "proportional" (measured worse: docs/results/weights.md)
+    split: str = "equal_spare"  # or "square_root", "proportional" (docs/results/weights.md)
     utilisation: str = "saturated"  # or "kv" (see the module docstring)
     work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
     in_flight_share: float = 0.5  # a running request's remaining work, in mean requests
@@ -126,14 +136,19 @@ class QueueingPolicy:
     # At most this share of a pool on standby, else none is: 0.5 keeps it above Envoy's panic
     # threshold; a pool with a fallback needs STANDBY_WITH_FALLBACK (see there).
     max_standby_share: float = 0.5
+    # Envoy's least_request divides each weight by (active + 1) ** bias; the weights are
+    # multiplied by (in flight + 1) ** bias so that its picks follow the shares (0: round
+    # robin, which follows the weights as they are). The caller passes the pool's LB.
+    active_request_bias: float = 0.0
 
     def __post_init__(self) -> None:
         checks = {
-            "split": self.split in ("proportional", "square_root"),
+            "split": self.split == "proportional" or self.split in SPLITS,
             "utilisation": self.utilisation in ("saturated", "kv"),
             "work": self.work in ("tokens", "prompt"),
             "in_flight_share": 0 <= self.in_flight_share <= 1,
             "max_standby_share": 0 <= self.max_standby_share <= 0.5,
+            "active_request_bias": 0 <= self.active_request_bias <= 100,
             "max_weight": self.max_weight >= MIN_WEIGHT,
             "horizon_seconds": 0 < self.horizon_seconds < math.inf,
             "window_seconds": 0 < self.window_seconds < math.inf,
@@ -156,93 +171,6 @@ class QueueingPolicy:
                                queue_cap=1e18, max_weight=self.max_weight,
                                kv_degraded=self.kv_degraded, staleness=self.staleness,
                                stale_after_seconds=self.stale_after_seconds)
-
-
-# --- rates from readings ----------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Rates:
-    """What an endpoint's readings in the window say."""
-
-    throughput: float | None  # work per second actually done (tokens/s); None: no counters
-    service_rate: float | None  # work per second at full utilisation; None: no evidence
-    work: float  # tokens done in the window
-    done: float  # requests finished in the window
-    saturated_seconds: float  # time with requests waiting at both ends of an interval
-
-
-def _utilisation(a: Reading, b: Reading, floor: float, mode: str = "kv") -> float | None:
-    """1 when requests waited throughout; otherwise, in mode ``kv``, the mean KV use (None
-    when unknown), in mode ``saturated`` 0 (the interval only bounds the rate from below)."""
-    if a.waiting >= 1 and b.waiting >= 1:
-        return 1.0
-    if mode == "saturated":
-        return 0.0
-    if a.kv_usage is None or b.kv_usage is None:
-        return None
-    u = (a.kv_usage + b.kv_usage) / 2.0
-    return u if u >= floor else 0.0
-
-
-def rates(readings: Sequence[Reading], now: float, policy: QueueingPolicy) -> Rates:
-    """Throughput and utilisation-corrected service rate over ``policy.window_seconds``.
-
-    An interval whose counters went backwards (a restart) or whose clock did not advance is
-    skipped; so is one with too little utilisation to say anything about the rate."""
-    start = now - policy.window_seconds
-    kind = policy.work
-    points = sorted((r for r in readings if start <= r.at <= now and r.work(kind) is not None),
-                    key=lambda r: r.at)
-    span = work = done = busy = busy_work = saturated = 0.0
-    for a, b in zip(points, points[1:], strict=False):
-        dt = b.at - a.at
-        wa, wb = a.work(kind), b.work(kind)
-        assert wa is not None and wb is not None
-        d_work = wb - wa
-        d_done = (b.requests_done - a.requests_done
-                  if a.requests_done is not None and b.requests_done is not None else 0.0)
-        if dt <= 0 or d_work < 0 or d_done < 0:
-            continue
-        span += dt
-        work += d_work
-        done += d_done
-        u = _utilisation(a, b, policy.min_utilisation, policy.utilisation)
-        if u == 1.0:
-            saturated += dt
-        if u:
-            busy += dt * u
-            busy_work += d_work
-    if span <= 0:
-        return Rates(None, None, 0.0, 0.0, 0.0)
-    # enough evidence: one horizon's worth of full-utilisation-equivalent busy time
-    enough = busy >= policy.horizon_seconds and busy_work > 0
-    service = busy_work / busy if enough else None
-    return Rates(work / span, service, work, done, saturated)
-
-
-# --- the pool's split ---------------------------------------------------------------------------
-
-
-def square_root_split(mu: Mapping[str, float], lam: float) -> dict[str, float]:
-    """Arrival rate per endpoint minimising the mean sojourn time of independent M/M/1
-    queues with service rates ``mu`` under total arrival rate ``lam``:
-    ``r_i = mu_i - sqrt(mu_i) * (M - lam) / sum(sqrt(mu))`` over the endpoints that keep a
-    positive share (the others get 0). Proportional to ``mu`` when ``lam >= M``."""
-    active = {a: m for a, m in mu.items() if m > 0}
-    total = sum(active.values())
-    if not active or lam >= total:
-        return {a: (m if m > 0 else 0.0) for a, m in mu.items()}
-    while True:
-        spare = sum(active.values()) - lam
-        roots = sum(math.sqrt(m) for m in active.values())
-        split = {a: m - math.sqrt(m) * spare / roots for a, m in active.items()}
-        dropped = [a for a, r in split.items() if r <= 0]
-        if not dropped or len(dropped) == len(split):
-            break
-        for a in dropped:
-            del active[a]
-    return {a: max(0.0, split.get(a, 0.0)) for a in mu}
 
 
 # --- weights ----------------------------------------------------------------------------------
@@ -322,12 +250,15 @@ def _work_per_request(estimates: Sequence[_Estimate]) -> float | None:
 # and a DRAINING (standby) host is not healthy. Below 1 - 1/1.4 of a pool on standby nothing
 # spills, so a slow endpoint left idle never sends traffic to another model.
 STANDBY_WITH_FALLBACK = 1.0 - 1.0 / 1.4
-STANDBY = "STANDBY"  # the split gives it no share at this load: EDS DRAINING (no new requests)
+# STANDBY (weight_calculator.health): the split gives it no share at this load: EDS DRAINING
 
 
-def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
-              previous: EndpointWeight | None, rated: bool, policy: QueueingPolicy,
-              standby: bool = False) -> EndpointWeight:
+def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
+              previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
+              pool_full: bool, share_units: float, rated: bool = True) -> EndpointWeight:
+    """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint;
+    ``share_units`` the same without Envoy's divisor (``share_weight`` in the breakdown, for
+    clusters whose active counts are not the pool's: the derived prompt-size classes)."""
     a = e.assessed
     signals = a.signals
     waiting = signals.get("queue", 0.0)
@@ -336,29 +267,64 @@ def _endpoint(e: _Estimate, mu: float, share: float, top: float, backlog: float,
                       "saturated_seconds": e.rates.saturated_seconds,
                       "backlog": backlog, "predicted_wait_s": backlog / mu if mu > 0 else 0.0,
                       "target_rate": share})
-    if rated:
+    if e.service_rate is not None:
         breakdown["service_rate"] = mu
+    if rated:  # measured, else the prior; not before any rate is (mu is a capacity then)
+        breakdown["service_rate_used"] = mu  # the prompt classes' prefill cap reads it
     kv = signals.get("kv_usage")
-    if kv is not None and kv >= policy.kv_degraded:
+    if kv is not None and kv >= policy.kv_degraded and not pool_full:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (
             f"degraded: kv_usage {kv:g} >= {policy.kv_degraded:g}")
         breakdown["target_weight"] = float(MIN_WEIGHT)
     elif standby:
         weight, health = MIN_WEIGHT, STANDBY
-        reason = (f"{a.reason}; standby: the square-root split gives it no share at this load "
+        reason = (f"{a.reason}; standby: its share of the load is below one weight unit "
                   f"(its rate {mu:.0f} tokens/s)")
         breakdown["target_weight"] = float(MIN_WEIGHT)
     else:
-        target = _clamp(round(policy.max_weight * share / top), policy) if top > 0 else (
-            policy.max_weight)
+        target = _clamp(round(units), policy)
         breakdown["target_weight"] = float(target)
         prior = previous.weight if previous is not None else None
         weight, health, reason = smooth(target, prior, policy), HEALTHY, a.reason
         if waiting:
             reason = f"{reason}; {waiting:g} waiting, predicted wait {breakdown['predicted_wait_s']:.1f}s"
     breakdown["weight"] = float(weight)
+    breakdown["share_weight"] = float(MIN_WEIGHT if health != HEALTHY
+                                      else _clamp(round(share_units), policy))
     return EndpointWeight(weight, a.last_failed, False, signals, a.updated_at, reason, health,
                           breakdown)
+
+
+def _in_flight_at_share(e: _Estimate, share: float, rated: bool) -> float:
+    """The requests the endpoint would hold in flight at its share: by Little's law the
+    count seen (running + waiting) scaled by share / throughput, never above the count
+    seen. An endpoint past its share (a queue building) so gets a smaller factor than its
+    count, and Envoy, dividing by the count it sees, sends it less; at its share the two
+    agree. Unscaled before any rate is measured (the shares are not in tokens/s then)."""
+    signals = e.assessed.signals
+    seen = signals.get("queue", 0.0) + signals.get("running", 0.0)
+    done = e.rates.throughput
+    if not rated or done is None or done <= 0:
+        return seen
+    return seen * min(1.0, share / done)
+
+
+def _standby(units: Mapping[str, float], left_out: set[str], policy: QueueingPolicy
+             ) -> set[str]:
+    """Endpoints that get no new requests: those the split left out and those whose share
+    is below one weight unit (the floor of 1 would give them more than their share), the
+    smallest first, at most ``max_standby_share`` of the pool."""
+    if not policy.standby:
+        return set()
+    candidates = sorted((a for a, u in units.items() if a in left_out or u < MIN_WEIGHT),
+                        key=lambda a: (units[a], a))
+    return set(candidates[:int(policy.max_standby_share * len(units) + 1e-9)])
+
+
+def _units(values: Mapping[str, float], policy: QueueingPolicy) -> dict[str, float]:
+    top = max(values.values(), default=0.0)
+    return {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
+            for a, v in values.items()}
 
 
 def compute_queueing_weights(
@@ -388,10 +354,9 @@ def compute_queueing_weights(
     mu = _filled(estimates)
     lam = sum(e.rates.throughput or 0.0 for e in estimates)
     rated = any(e.service_rate is not None for e in estimates)
-    split_applied = policy.split == "square_root" and rated and lam > 0
-    split = square_root_split(mu, lam) if split_applied else dict(mu)
+    split_applied = policy.split in SPLITS and rated and lam > 0
+    split = SPLITS[policy.split](mu, lam) if split_applied else dict(mu)
     per_request = _work_per_request(estimates)
-    endpoints: dict[str, EndpointWeight] = {}
     shares: dict[str, float] = {}
     backlogs: dict[str, float] = {}
     for e in estimates:
@@ -405,15 +370,22 @@ def compute_queueing_weights(
         else:  # no work counters: the queue alone, as 1 / (1 + waiting)
             backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
             shares[e.address] = split[e.address] / (1.0 + waiting)
-    top = max(shares.values(), default=0.0)
-    if top <= 0:  # every endpoint backlogged beyond its share: fall back to the rates
-        shares, top = dict(mu), max(mu.values(), default=0.0)
-    idle = {a for a, r in split.items() if r <= 0} if split_applied else set()
-    if len(idle) > policy.max_standby_share * len(estimates):  # keep the pool in service
-        idle = set()
-    for e in estimates:
-        endpoints[e.address] = _endpoint(e, mu[e.address], shares[e.address], top,
-                                         backlogs[e.address], held.get(e.address),
-                                         e.service_rate is not None, policy,
-                                         policy.standby and e.address in idle)
+    if max(shares.values(), default=0.0) <= 0:  # all backlogged beyond their share: the rates
+        shares = dict(mu)
+    # what Envoy's least_request will divide by, multiplied in so its picks follow the shares
+    bias = policy.active_request_bias
+    scaled = {e.address: shares[e.address]
+              * (1.0 + _in_flight_at_share(e, shares[e.address], rated)) ** bias
+              for e in estimates}
+    units = _units(scaled, policy)
+    share_units = _units(shares, policy)
+    left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
+    idle = _standby(units, left_out, policy)
+    full = bool(estimates) and all((e.assessed.signals.get("kv_usage") or 0.0)
+                                   >= policy.kv_degraded for e in estimates)
+    endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address], units[e.address],
+                                      backlogs[e.address], held.get(e.address), policy,
+                                      e.address in idle, full, share_units[e.address],
+                                      rated)
+                 for e in estimates}
     return complete_pool(pool, endpoints, shared)

@@ -113,3 +113,31 @@ def test_auto_with_canary_versions_is_refused() -> None:
         parse_config({"pools": [{"name": "p", "model": "m", "long_context": "auto",
                                  "versions": {"stable": {"endpoints": [{"address": "10.0.0.1:80"}]},
                                               "canary": {"endpoints": [{"address": "10.0.0.2:80"}]}}}]})
+
+
+def test_a_measured_rate_caps_a_tiers_bound_by_its_prefill_time() -> None:
+    """A prompt that holds a small GPU longer than one tick goes to the bigger ones: with
+    L4s at 1 200 and A100s at 7 000 tokens/s and a 2 s tick, the bounds fall from 1/8 of the
+    KV (4.8k and 21k tokens) to 2 048 and 8 192 tokens (powers of two below 2.4k and 14k)."""
+    rates = {a: {H100: 20_000.0, A100: 7_000.0, L4: 1_200.0}[c] for a, c in HETERO.items()}
+    classes = derive_classes("p", HETERO, rates, 2.0)
+    assert [(c.min_prompt_bytes, c.max_prompt_bytes) for c in classes] == [
+        (2048 * 4, 8192 * 4), (8192 * 4, None)]
+    assert derive_classes("p", HETERO, rates, 0.0) == derive_classes("p", HETERO)  # no tick
+    fast = {a: 1e9 for a in HETERO}  # prefill no constraint: the KV rule alone
+    assert derive_classes("p", HETERO, fast, 2.0) == derive_classes("p", HETERO)
+    # a rate that wanders by 10 % keeps the bounds (hysteresis), a halving moves them
+    wobble = {a: r * 1.1 for a, r in rates.items()}
+    assert derive_classes("p", HETERO, wobble, 2.0, classes) == classes
+    slower = {a: r / 2.2 for a, r in rates.items()}
+    moved = derive_classes("p", HETERO, slower, 2.0, classes)
+    assert [c.min_prompt_bytes for c in moved] == [1024 * 4, 4096 * 4]
+
+
+def test_bounds_never_decrease_from_one_tier_to_the_next() -> None:
+    rates = {a: {H100: 20_000.0, A100: 300.0, L4: 1_200.0}[c] for a, c in HETERO.items()}
+    classes = derive_classes("p", HETERO, rates, 2.0)
+    # the A100s measured slower than the L4s: their class would be empty and is left out;
+    # every prompt the L4s do not take goes to the H100s
+    assert [(c.cluster, c.min_prompt_bytes, c.max_prompt_bytes) for c in classes] == [
+        ("trimtab-auto-p-2", 2048 * 4, None)]

@@ -21,6 +21,7 @@ from weight_calculator.types import EndpointWeight, PoolWeights
 NOW = 1000.0
 POLICY = QueueingPolicy()  # utilisation "saturated": only queued intervals measure the rate
 KV = QueueingPolicy(utilisation="kv")  # unsaturated intervals extrapolated by KV use
+SQRT_KV = QueueingPolicy(utilisation="kv", split="square_root")  # round 1's split
 
 
 def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_per_s: float = 1.0,
@@ -130,15 +131,20 @@ def test_without_counters_weights_are_capacity_over_queue() -> None:
 
 
 def test_an_endpoint_without_evidence_gets_the_pools_rate_per_kv_token() -> None:
-    inputs = {"seen": inp(kv=0.5, capacity=100_000.0), "new": inp(kv=0.0, capacity=50_000.0)}
-    readings = {"seen": history(1000.0, kv=0.5)}
+    inputs = {"seen": inp(kv=0.9, capacity=100_000.0), "new": inp(kv=0.0, capacity=50_000.0)}
+    readings = {"seen": history(1800.0, kv=0.9)}
     w = compute_queueing_weights(inputs, readings, KV, NOW, None)
-    # seen: mu = 2000 tokens/s; new: 2000 / 100k x 50k = 1000; lam = 1000 -> square root
-    mu_seen, mu_new, lam = 2000.0, 1000.0, 1000.0
+    # seen: mu = 1800 / 0.9 = 2000 tokens/s; new: 2000 / 100k x 50k = 1000; lam = 1800 ->
+    # equal spare (2000 + 1000 - 1800) / 2 = 600: r = 1400 and 400
+    assert w.endpoints["new"].breakdown["service_rate_used"] == pytest.approx(1000.0)
+    assert w.endpoints["new"].weight == round(100 * 400 / 1400)
+    assert "service_rate" not in w.endpoints["new"].breakdown
+    # the square-root rule on the same rates (round 1's default)
+    sqrt = compute_queueing_weights(inputs, readings, SQRT_KV, NOW, None)
+    mu_seen, mu_new, lam = 2000.0, 1000.0, 1800.0
     spare = (mu_seen + mu_new - lam) / (math.sqrt(mu_seen) + math.sqrt(mu_new))
     r_seen, r_new = mu_seen - math.sqrt(mu_seen) * spare, mu_new - math.sqrt(mu_new) * spare
-    assert w.endpoints["new"].weight == round(100 * r_new / r_seen)
-    assert "service_rate" not in w.endpoints["new"].breakdown
+    assert sqrt.endpoints["new"].weight == round(100 * r_new / r_seen)
 
 
 def test_the_service_rate_is_remembered_through_previous_weights() -> None:
@@ -191,7 +197,9 @@ def test_relative_deadband_keeps_small_changes_and_drops_at_once() -> None:
 def test_an_overloaded_small_endpoint_loses_its_weight_within_one_tick() -> None:
     inputs = {"big": inp(kv=0.5, capacity=400_000.0), "small": inp(kv=0.5, capacity=40_000.0)}
     readings = {"big": history(4000.0, kv=0.5), "small": history(1000.0, kv=0.5)}
-    calm = compute_queueing_weights(inputs, readings, KV, NOW, None)
+    # the square-root split keeps the small one in service (equal spare would put it on
+    # standby at once: its 2000 tokens/s are below the 2500 of spare each would keep)
+    calm = compute_queueing_weights(inputs, readings, SQRT_KV, NOW, None)
     assert calm.endpoints["small"].weight == 7  # r = 2000 - sqrt(2000) * 5000 / 134.2
     # next tick: the small one has ten requests waiting (25 000 tokens of work, 12 s at
     # its rate): its weight falls to the floor at once, not over several ticks
@@ -200,7 +208,7 @@ def test_an_overloaded_small_endpoint_loses_its_weight_within_one_tick() -> None
               "small": inp(kv=0.9, queue=10.0, capacity=40_000.0, at=tick - 0.5)}
     readings = {"big": history(4000.0, kv=0.5, end=tick),
                 "small": history(1000.0, kv=0.5, end=tick)}
-    loaded = compute_queueing_weights(inputs, readings, KV, tick, calm)
+    loaded = compute_queueing_weights(inputs, readings, SQRT_KV, tick, calm)
     assert loaded.endpoints["small"].weight == 1
     assert loaded.endpoints["small"].breakdown["predicted_wait_s"] > 10
     assert loaded.endpoints["big"].weight == 100
@@ -269,8 +277,11 @@ def test_standby_never_takes_more_than_half_the_pool() -> None:
     readings = {"h": history(2000.0, kv=0.5), "s1": history(50.0, kv=0.5),
                 "s2": history(50.0, kv=0.5)}
     w = compute_queueing_weights(inputs, readings, KV, NOW, None)
-    # the split leaves both small ones out, but two of three would be most of the pool
-    assert {e.health for e in w.endpoints.values()} == {"HEALTHY"}
+    # the split leaves both small ones out, but two of three would be most of the pool: only
+    # as many as half the pool go on standby (one of three), the smallest share first (ties
+    # by address), the other keeps weight 1 (before round 2 none went on standby then)
+    assert {a: e.health for a, e in w.endpoints.items()} == {
+        "h": "HEALTHY", "s1": "STANDBY", "s2": "HEALTHY"}
     inputs["h2"] = inp(kv=0.5, capacity=400_000.0)
     readings["h2"] = history(2000.0, kv=0.5)
     w = compute_queueing_weights(inputs, readings, KV, NOW, None)
@@ -301,3 +312,99 @@ def test_a_pool_with_a_fallback_never_puts_enough_on_standby_to_spill() -> None:
         {"name": "small", "model": "s", "endpoints": [{"address": "127.0.0.1:8002"}]}]})
     assert queueing_policy(config, config.pool("big")).max_standby_share == STANDBY_WITH_FALLBACK
     assert queueing_policy(config, config.pool("small")).max_standby_share == 0.5
+
+
+# --- round 2: the tail split, Envoy's least_request divisor, engine-full, standby ----------
+
+
+def test_equal_spare_split_leaves_every_used_endpoint_the_same_spare_rate() -> None:
+    from weight_calculator.queueing import equal_spare_split
+
+    mu = {"h": 10.0, "a": 3.0, "l": 0.5}
+    split = equal_spare_split(mu, 9.0)
+    # (10 + 3 - 9) / 2 = 2 spare each; the slow one (0.5 < that spare) is left out
+    assert split == pytest.approx({"h": 8.0, "a": 1.0, "l": 0.0})
+    assert sum(split.values()) == pytest.approx(9.0)
+    # the square-root rule (mean-optimal) gives the slower endpoint more than this
+    assert square_root_split(mu, 9.0)["a"] > split["a"]
+    assert equal_spare_split(mu, 20.0) == mu  # overloaded: in proportion to the rates
+    assert equal_spare_split({"x": 0.0, "y": 2.0}, 1.0) == {"x": 0.0, "y": 1.0}
+
+
+def _twins(running: dict[str, float], bias: float) -> dict[str, int]:
+    inputs = {a: inp(kv=0.3, running=n) for a, n in running.items()}
+    readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in running}
+    policy = QueueingPolicy(active_request_bias=bias, in_flight_share=0.0)
+    w = compute_queueing_weights(inputs, readings, policy, NOW, None)
+    return {a: e.weight for a, e in w.endpoints.items()}
+
+
+def test_least_request_divisor_is_multiplied_into_the_weights() -> None:
+    """Envoy's least_request picks by weight / (active + 1) ** bias: two equal endpoints with
+    9 and 19 requests in flight need weights 10 : 20 for equal picks (round robin: 1 : 1)."""
+    assert _twins({"a": 9.0, "b": 19.0}, bias=0.0) == {"a": 100, "b": 100}
+    assert _twins({"a": 9.0, "b": 19.0}, bias=1.0) == {"a": 50, "b": 100}
+    # without the divisor (for derived clusters, whose active counts are their own): equal
+    inputs = {a: inp(kv=0.3, running=n) for a, n in (("a", 9.0), ("b", 19.0))}
+    readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0,
+                                                                  in_flight_share=0.0), NOW, None)
+    assert {a: e.breakdown["share_weight"] for a, e in w.endpoints.items()} == {
+        "a": 100.0, "b": 100.0}
+
+
+def test_a_full_kv_cache_counts_as_saturated() -> None:
+    full = [Reading(NOW - 20.0 + 2.0 * i, float(i), 800.0 * 2.0 * i, 8.0, 0.0, 0.97)
+            for i in range(11)]
+    r = rates(full, NOW, POLICY)
+    assert r.service_rate == pytest.approx(800.0)  # no queue, but no room either
+    half = [Reading(x.at, x.requests_done, x.tokens, 8.0, 0.0, 0.6) for x in full]
+    assert rates(half, NOW, POLICY).service_rate is None
+
+
+def test_a_share_below_one_weight_unit_is_standby_not_weight_one() -> None:
+    inputs = {"h1": inp(capacity=400_000.0), "h2": inp(capacity=400_000.0),
+              "s": inp(capacity=10_000.0, running=30.0, queue=10.0)}
+    readings = {"h1": history(20_000.0, waiting=2.0), "h2": history(20_000.0, waiting=2.0),
+                "s": history(300.0, waiting=10.0)}
+    w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    s = w.endpoints["s"]
+    # its share after the wait discount is under 1/100 of the top one's: the floor (weight 1)
+    # would send it more than that, so it gets no new requests instead
+    assert s.breakdown["target_rate"] * 100 < w.endpoints["h1"].breakdown["target_rate"]
+    assert (s.health, s.weight) == ("STANDBY", 1)
+
+
+def test_a_pool_whose_every_kv_cache_is_full_is_loaded_not_degraded() -> None:
+    inputs = {"a": inp(kv=0.97), "b": inp(kv=0.99)}
+    readings = {a: history(5000.0, waiting=3.0, kv=0.98) for a in inputs}
+    w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    assert {e.health for e in w.endpoints.values()} == {"HEALTHY"}
+    inputs["c"] = inp(kv=0.5)
+    readings["c"] = history(5000.0, waiting=3.0, kv=0.5)
+    w = compute_queueing_weights(inputs, readings, POLICY, NOW, None)
+    assert [a for a, e in w.endpoints.items() if e.health == "DEGRADED"] == ["a", "b"]
+
+
+def test_the_divisor_uses_the_count_at_the_share_so_a_piled_up_twin_gets_less() -> None:
+    """Two equal endpoints, one holding 100 requests and the other 20: multiplying by the
+    counts seen gave the piled-up one the higher weight (100 : 90, measured as two H100s
+    trading a 100-request pile); by Little's law it holds more than its share would, so its
+    factor is scaled down by share / throughput and Envoy sends it less."""
+    inputs = {"a": inp(kv=0.3, running=100.0), "b": inp(kv=0.3, running=20.0)}
+    readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0),
+                                 NOW, None)
+    a, b = w.endpoints["a"], w.endpoints["b"]
+    assert b.weight == 100 and a.weight < b.weight / 2
+    # Envoy picks by weight / (active + 1): the piled-up one is picked far less
+    assert a.weight / 101 < (b.weight / 21) / 4
+
+
+def test_no_service_rate_is_reported_before_any_is_measured() -> None:
+    """Before any endpoint is measured the split runs on relative KV capacity, which is not a
+    rate: the prompt classes' prefill cap must not read it as tokens/s."""
+    inputs = {"a": inp(capacity=400_000.0), "b": inp(capacity=40_000.0)}
+    w = compute_queueing_weights(inputs, {}, POLICY, NOW, None)
+    assert not any("service_rate_used" in e.breakdown for e in w.endpoints.values())
+    assert w.endpoints["a"].weight == 100 and w.endpoints["b"].weight == 10

@@ -317,7 +317,8 @@ def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
         sim.stop()
     doc = {"config": _config(s, fleet), "seed": s.seed, "versions": versions(),
            "policies": entries,
-           "comparison": report.comparison(entries, s.homogeneous, s.tolerance)}
+           "comparison": report.comparison(entries, s.homogeneous, s.tolerance,
+                                          s.auto_classes)}
     report.write_json(doc, out / "bench.json")
     if not report.write_png(doc, ttfts, out / "bench.png"):
         log("matplotlib is not installed: no bench.png (pip install matplotlib)")
@@ -356,7 +357,8 @@ def rereport(out: Path) -> dict[str, Any]:
         ttfts[policy] = report.ttft_values(run, plan)
     doc["comparison"] = report.comparison(
         doc["policies"], bool(c.get("homogeneous", False)),
-        float(c.get("tolerance", report.HOMOGENEOUS_TOLERANCE)))
+        float(c.get("tolerance", report.HOMOGENEOUS_TOLERANCE)),
+        bool(c.get("auto_classes", False)))
     report.write_json(doc, out / "bench.json")
     report.write_png(doc, ttfts, out / "bench.png")
     return doc

@@ -221,11 +221,13 @@ class QueueingConfig(Model):
     rise_alpha: float = Field(0.5, gt=0, le=1)    # rises are smoothed, drops apply at once
     kv_degraded: float = Field(0.95, gt=0, le=1)
     staleness: Literal["saturated", "hold", "ignore"] = "saturated"
-    split: Literal["square_root", "proportional"] = "square_root"
+    split: Literal["equal_spare", "square_root", "proportional"] = "equal_spare"
     utilisation: Literal["saturated", "kv"] = "saturated"
     work: Literal["tokens", "prompt"] = "tokens"
     in_flight_share: float = Field(0.5, ge=0, le=1)  # a running request's remaining work
     standby: bool = True  # endpoints the split leaves out: EDS DRAINING (no new requests)
+    # least_request divides weights by (active + 1) ** bias: multiply it back in (round 2)
+    compensate_active: bool = True
 
 
 class WeightsConfig(Model):

@@ -273,7 +273,10 @@ class Controller:
             read = {a: (o.sample.signals.get("kv_capacity_tokens") if o.sample else None)
                     for a, o in self.store.observations(addresses).items()}
             configured = {ep.address: ep.capacity for ep in pool.endpoints}
-            classes = derive_classes(pool.name, capacities_of(addresses, configured, read))
+            classes = derive_classes(pool.name, capacities_of(addresses, configured, read),
+                                     self._service_rates(pool.name),
+                                     self.config.telemetry.interval_seconds,
+                                     self.auto.get(pool.name, ()))
             if classes:
                 auto[pool.name] = classes
         if auto != self.auto:
@@ -282,6 +285,15 @@ class Controller:
                     for c in cs] for p, cs in auto.items()} or "none")
             self.auto = auto
             self._sync_routes()
+
+    def _service_rates(self, cluster: str) -> dict[str, float | None]:
+        """Each endpoint's service rate (tokens/s) from the queueing weights' breakdown:
+        measured, else its prior; empty under the other policies (no prefill cap)."""
+        weights = self.weights.get(cluster)
+        if weights is None:
+            return {}
+        return {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
+                for a, ew in weights.endpoints.items()}
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""

@@ -49,11 +49,23 @@ def composite_policy(config: Config, pool: PoolConfig) -> CompositePolicy:
                            stale_after_seconds=config.telemetry.stale_after_seconds)
 
 
+def active_request_bias(pool: PoolConfig | None) -> float:
+    """The exponent Envoy divides the pool's weights by: ``(active + 1) ** bias`` under
+    least_request (Envoy's default bias 1), none under round robin or a hash."""
+    if pool is None or pool.effective_lb_policy != "least_request":
+        return 0.0
+    return pool.active_request_bias if pool.active_request_bias is not None else 1.0
+
+
 def queueing_policy(config: Config, pool: PoolConfig | None = None) -> QueueingPolicy:
     """The queueing knobs; a pool with a fallback puts fewer endpoints on standby, so
-    standby never makes Envoy spill to the fallback (see ``STANDBY_WITH_FALLBACK``)."""
+    standby never makes Envoy spill to the fallback (see ``STANDBY_WITH_FALLBACK``); under
+    least_request the weights carry Envoy's ``(active + 1) ** bias`` divisor
+    (``compensate_active``)."""
     share = STANDBY_WITH_FALLBACK if pool is not None and pool.fallback is not None else 0.5
-    return QueueingPolicy(**config.weights.queueing.model_dump(),
+    knobs = config.weights.queueing.model_dump()
+    bias = active_request_bias(pool) if knobs.pop("compensate_active") else 0.0
+    return QueueingPolicy(**knobs, active_request_bias=bias,
                           max_standby_share=share,
                           max_weight=config.weights.max_weight,
                           horizon_seconds=config.telemetry.interval_seconds,

@@ -101,19 +101,30 @@ def build_resources(static: ConfigResources, routing: RouteResources,
                    for pool in config.pools for name, _, endpoints in pool.clusters()]
     return {
         type_urls.CLUSTER: [*static.clusters, *routing.auto_clusters],
-        type_urls.ENDPOINT: [*assignments, *_auto_assignments(config, routing.auto, settings)],
+        type_urls.ENDPOINT: [*assignments,
+                             *_auto_assignments(config, routing.auto, settings, weights)],
         type_urls.LISTENER: [static.listener],
         type_urls.ROUTE: [routing.routes],
     }
 
 
 def _auto_assignments(config: Config, auto: AutoClasses,
-                      settings: Mapping[str, Mapping[str, EndpointSetting]]) -> list[Message]:
-    """Each derived cluster holds its members with the pool's own weights and health."""
+                      settings: Mapping[str, Mapping[str, EndpointSetting]],
+                      weights: Mapping[str, PoolWeights]) -> list[Message]:
+    """Each derived cluster holds its members with the pool's health and weights; under the
+    queueing policy the weights without Envoy's divisor (``share_weight``): Envoy counts
+    active requests per cluster, and a derived cluster carries only its class's few, so the
+    pool's in-flight factor would skew it (measured: long prompts piled on the H100 whose
+    pool-wide count was larger)."""
     out: list[Message] = []
     for name, classes in auto.items():
         by_address = {ep.address: ep for ep in config.pool(name).endpoints}
+        own = settings.get(name, {})
+        shares = weights.get(name)
+        derived = {a: EndpointSetting(int(ew.breakdown.get("share_weight", own[a].weight)),
+                                      own[a].health)
+                   for a, ew in (shares.endpoints.items() if shares else ()) if a in own}
         for c in classes:
             members = [by_address[a] for a in c.addresses if a in by_address]
-            out.append(build_load_assignment(c.cluster, members, settings.get(name, {})))
+            out.append(build_load_assignment(c.cluster, members, derived or own))
     return out

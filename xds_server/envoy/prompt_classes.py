@@ -15,6 +15,17 @@ tier (a homogeneous pool) there are no classes. With tiers ``T0 < T1 < ... < Tk`
 ``j..k``. Envoy matches on ``content-length``, at :data:`BYTES_PER_TOKEN` (4) bytes of JSON per
 prompt token (English text; see docs/configuration.md for where that breaks).
 
+**Prefill cap** (from measured rates, when the weights have them): a prompt of ``P`` tokens
+holds an endpoint of service rate ``mu`` tokens/s for about ``P / mu`` seconds, and every
+request that arrives there meanwhile waits behind it; the weights react only once a tick
+(``horizon``, the telemetry interval). So a tier's bound is also at most ``mu x horizon``
+tokens, ``mu`` the slowest member's rate (``service_rate`` in the weights' breakdown, else
+its prior ``service_rate_used``): a prompt that would hold a small GPU longer than one tick
+goes to the bigger ones. That bound is rounded down to a power of two tokens (so a rate that
+wanders by a few percent does not rebuild the routes every tick) and kept while the raw
+value stays within a factor ``HYSTERESIS`` of it (``previous``). Bounds never decrease from
+one tier to the next.
+
 Capacities are the endpoints' KV-cache tokens: ``vllm:cache_config_info`` (``num_gpu_blocks x
 block_size``) from the last good read, else ``capacity:`` in the config. Until every endpoint
 of the pool has one, no class is derived (a pool is never split on a guess). Pure functions.
@@ -29,6 +40,7 @@ from dataclasses import dataclass
 KV_SHARE = 1.0 / 8.0
 TIER_RATIO = 2.0
 BYTES_PER_TOKEN = 4
+HYSTERESIS = 1.25  # a prefill bound moves once the raw value leaves [b / 1.25, 2.5 b)
 PREFIX = "trimtab-auto-"  # pool names may not start with "trimtab-": no clash possible
 
 
@@ -65,23 +77,54 @@ def tiers(capacities: Mapping[str, float]) -> list[list[str]]:
     return groups
 
 
-def derive_classes(pool: str, capacities: Mapping[str, float | None]) -> tuple[AutoClass, ...]:
+def _valid(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value > 0
+
+
+def prefill_bound(rate: float, horizon: float, previous: int | None = None) -> int:
+    """Prompt tokens a GPU of ``rate`` tokens/s computes in ``horizon`` seconds, rounded down
+    to a power of two; ``previous`` (tokens) is kept while the raw value stays within
+    ``[previous / HYSTERESIS, 2 * previous * HYSTERESIS)``."""
+    raw = rate * horizon
+    if previous is not None and previous / HYSTERESIS <= raw < 2 * previous * HYSTERESIS:
+        return previous
+    return 2 ** int(math.floor(math.log2(raw))) if raw >= 1 else 1
+
+
+def derive_classes(pool: str, capacities: Mapping[str, float | None],
+                   rates: Mapping[str, float | None] | None = None, horizon: float = 0.0,
+                   previous: Sequence[AutoClass] = ()) -> tuple[AutoClass, ...]:
     """The pool's automatic classes; none while a capacity is unknown or invalid, or when
-    every endpoint is in one tier."""
+    every endpoint is in one tier. With ``rates`` (tokens/s, per address) and a ``horizon``
+    (seconds), each tier's bound is capped by its prefill bound (module docstring);
+    ``previous`` (the classes derived last) gives that cap its hysteresis."""
     known: dict[str, float] = {}
     for address, capacity in capacities.items():
-        if capacity is None or not (math.isfinite(capacity) and capacity > 0):
+        if not _valid(capacity):
             return ()
-        known[address] = float(capacity)
+        known[address] = float(capacity or 0.0)
     groups = tiers(known)
     if len(groups) < 2:
         return ()
-    bounds = [int(KV_SHARE * min(known[a] for a in group)) * BYTES_PER_TOKEN
-              for group in groups]
+    before = {c.addresses: c for c in previous}
+    bounds: list[int] = []
+    for j, group in enumerate(groups):
+        bound = int(KV_SHARE * min(known[a] for a in group))
+        speeds = [float(r) for a in group
+                  if (r := (rates or {}).get(a)) is not None and _valid(r)]
+        if speeds and horizon > 0 and j < len(groups) - 1:
+            members = tuple(sorted(a for g in groups[j + 1:] for a in g))
+            prior = before.get(members)  # the class that starts at this tier's bound
+            held = prior.min_prompt_bytes // BYTES_PER_TOKEN if prior is not None else None
+            bound = min(bound, prefill_bound(min(speeds), horizon, held))
+        bounds.append(max(bound, bounds[-1] if bounds else 0))
+    bounds = [b * BYTES_PER_TOKEN for b in bounds]
     classes = []
     for j in range(1, len(groups)):
         members = tuple(sorted(a for group in groups[j:] for a in group))
         upper = bounds[j] if j < len(groups) - 1 else None
+        if upper is not None and upper <= bounds[j - 1]:
+            continue  # an empty size range: its tier takes no prompt of its own
         classes.append(AutoClass(cluster_name(pool, j), bounds[j - 1], upper, members))
     return tuple(classes)
 
