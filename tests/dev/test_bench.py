@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import yaml
 
-from trimtab_dev.bench import POLICIES, report
+from trimtab_dev.bench import POLICIES, report, spread
 from trimtab_dev.bench.cli import main as bench_main
 
 
@@ -93,7 +93,7 @@ def test_automatic_classes_are_judged_by_the_quarter_of_cswrr_target() -> None:
 
 
 def test_fleet_homogeneity_is_detected_from_the_spec() -> None:
-    from trimtab_dev.bench.cli import fleet_is_homogeneous
+    from trimtab_dev.bench.options import fleet_is_homogeneous
     from trimtab_dev.sim.fleet import load_fleet, parse_fleet
 
     assert not fleet_is_homogeneous(load_fleet("examples/fleet-hetero.yaml"))
@@ -108,7 +108,7 @@ def test_fleet_homogeneity_is_detected_from_the_spec() -> None:
 
 
 def test_targets_flag_overrides_detection(tmp_path: Path) -> None:
-    from trimtab_dev.bench.cli import build_parser, settings_from
+    from trimtab_dev.bench.options import build_parser, settings_from
     from trimtab_dev.loadgen.workload import load_workload
     from trimtab_dev.sim.fleet import load_fleet
 
@@ -296,7 +296,7 @@ def _doc(ttft: float, tokens: float) -> dict[str, Any]:
 
 def test_spread_gives_min_median_max_of_every_ratio_across_seeds() -> None:
     docs = {42: _doc(0.2, 100.0), 1: _doc(0.6, 90.0), 2: _doc(0.4, 120.0)}
-    doc = report.spread(docs)
+    doc = spread.spread(docs)
     assert doc["seeds"] == [42, 1, 2]
     ttft = doc["ratios"]["trimtab"]["ttft_p99_vs_least_request"]
     assert ttft == {"min": pytest.approx(0.1), "median": pytest.approx(0.2),
@@ -307,16 +307,16 @@ def test_spread_gives_min_median_max_of_every_ratio_across_seeds() -> None:
     assert (goal["met"], goal["of"]) == (2, 3)
     assert goal["median"] == pytest.approx(0.4)
     assert doc["targets"]["ttft_p99_vs_cswrr_orca"]["n"] == 0  # cswrr_orca never ran
-    rows = report.spread_rows(doc)
+    rows = spread.spread_rows(doc)
     assert ["trimtab", "ttft_p99_vs_least_request", "0.10x", "0.20x", "0.30x", "3"] in rows
     assert not [r for r in rows if r[1].endswith(f"_vs_{r[0]}")]  # no policy against itself
-    assert any("met on 2 of 3 seeds" in line for line in report.spread_lines(doc))
+    assert any("met on 2 of 3 seeds" in line for line in spread.spread_lines(doc))
 
 
 def test_spread_median_of_an_even_count_and_missing_values() -> None:
     docs = {1: _doc(0.2, 100.0), 2: _doc(0.6, 100.0)}
     docs[3] = {"comparison": report.comparison({"trimtab": _summary(0.4, 1.0)})}
-    stats = report.spread(docs)["ratios"]["trimtab"]["ttft_p99_vs_least_request"]
+    stats = spread.spread(docs)["ratios"]["trimtab"]["ttft_p99_vs_least_request"]
     assert stats == {"min": pytest.approx(0.1), "median": pytest.approx(0.2),
                      "max": pytest.approx(0.3), "n": 2}
 
@@ -344,7 +344,8 @@ def test_sim_summary_reports_peak_and_mean_in_flight() -> None:
 
 
 def test_seeds_option(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from trimtab_dev.bench.cli import build_parser, seed_dirs
+    from trimtab_dev.bench.cli import seed_dirs
+    from trimtab_dev.bench.options import build_parser
 
     assert build_parser().parse_args(["--out", "x", "--seeds", "42,1,2"]).seeds == (42, 1, 2)
     for bad in ("1,1", "a,b", ""):
