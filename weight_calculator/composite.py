@@ -45,8 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from weight_calculator.assessment import (  # re-exported: the shared assessment
-    PoolAssessment,
+from weight_calculator.assessment import (
     _Assessed,
     _capacity_scale,
     _Plan,
@@ -54,23 +53,9 @@ from weight_calculator.assessment import (  # re-exported: the shared assessment
     assess_pool,
     complete_pool,
 )
-from weight_calculator.health import DEGRADED, HEALTHY, INVALID, STALE
-from weight_calculator.inputs import (  # re-exported: what every policy takes in
-    _INPUT_KEYS,
-    MIN_WEIGHT,
-    STALENESS_MODES,
-    CompositePolicy,
-    EndpointInput,
-    Signals,
-    Staleness,
-    _clamp,
-)
+from weight_calculator.health import DEGRADED, HEALTHY
+from weight_calculator.inputs import _INPUT_KEYS, MIN_WEIGHT, CompositePolicy, EndpointInput, _clamp
 from weight_calculator.types import EndpointWeight, PoolWeights
-
-__all__ = ["DEGRADED", "HEALTHY", "INVALID", "MIN_WEIGHT", "RELATIVE_DEADBAND", "STALE",
-           "STALENESS_MODES", "CompositePolicy", "EndpointInput", "PoolAssessment", "Signals",
-           "Staleness", "assess_pool", "complete_pool", "compute_composite_weights"]
-
 
 # --- load and weight of a usable endpoint -----------------------------------------------------
 

@@ -93,19 +93,15 @@ import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from weight_calculator.composite import (
-    DEGRADED,
-    HEALTHY,
+from weight_calculator.assessment import _Assessed, assess_pool, complete_pool
+from weight_calculator.health import DEGRADED, HEALTHY, STANDBY
+from weight_calculator.inputs import (
     MIN_WEIGHT,
     STALENESS_MODES,
     CompositePolicy,
     EndpointInput,
     Staleness,
-    _Assessed,
-    assess_pool,
-    complete_pool,
 )
-from weight_calculator.health import STANDBY
 from weight_calculator.service_rate import Rates, Reading, rates
 from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights

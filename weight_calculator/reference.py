@@ -14,15 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from weight_calculator.composite import (
-    HEALTHY,
-    MIN_WEIGHT,
-    CompositePolicy,
-    EndpointInput,
-    _capacity_scale,
-    assess_pool,
-    complete_pool,
-)
+from weight_calculator.assessment import _capacity_scale, assess_pool, complete_pool
+from weight_calculator.health import HEALTHY
+from weight_calculator.inputs import MIN_WEIGHT, CompositePolicy, EndpointInput
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 

@@ -192,7 +192,7 @@ def test_a_tiny_run_produces_a_table_json_and_png_for_every_policy(tmp_path: Pat
 
 
 def _fleet() -> Any:
-    from trimtab_dev.bench.runner import Fleet, FleetServer
+    from trimtab_dev.bench.fleet import Fleet, FleetServer
     servers = [FleetServer("h100-0", "H100-80G", "127.0.0.1:1", 453776),
                FleetServer("a100-0", "A100-40G", "127.0.0.1:2", 167184),
                FleetServer("l4-0", "L4-24G", "127.0.0.1:3", 38128)]

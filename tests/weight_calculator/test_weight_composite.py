@@ -11,16 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.support.paths import METRICS_FIXTURES
-from weight_calculator.composite import (
-    DEGRADED,
-    HEALTHY,
-    INVALID,
-    STALE,
-    CompositePolicy,
-    EndpointInput,
-    Signals,
-    compute_composite_weights,
-)
+from weight_calculator.composite import compute_composite_weights
+from weight_calculator.health import DEGRADED, HEALTHY, INVALID, STALE
+from weight_calculator.inputs import CompositePolicy, EndpointInput, Signals
 from weight_calculator.types import EndpointWeight, PoolWeights
 from xds_server.telemetry.parsers import page_signals
 

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from weight_calculator.composite import EndpointInput, Signals
+from weight_calculator.inputs import EndpointInput, Signals
 from weight_calculator.queueing import (
     QueueingPolicy,
     Reading,

@@ -41,23 +41,17 @@ from typing import Any
 
 from trimtab_dev.bench import envoy_configs, reference, report, spread
 from trimtab_dev.bench.envoy_configs import LongContext
+from trimtab_dev.bench.fleet import Fleet, SimFleetProcess
 from trimtab_dev.bench.options import (
     LONG_POOL_KV_FACTOR,
     BenchSettings,
     build_parser,
     settings_from,
 )
-from trimtab_dev.bench.runner import (
-    BenchError,
-    Counters,
-    Fleet,
-    LoadPlan,
-    LoadRun,
-    PolicyStack,
-    SimFleetProcess,
-    measure,
-    samplers_for,
-)
+from trimtab_dev.bench.processes import BenchError
+from trimtab_dev.bench.runner import Counters, LoadPlan, LoadRun, measure
+from trimtab_dev.bench.samplers import samplers_for
+from trimtab_dev.bench.stack import PolicyStack
 from trimtab_dev.envoy_process import EnvoyError, envoy_binary
 from trimtab_dev.loadgen.workload import Workload, WorkloadError, load_workload
 from trimtab_dev.sim.fleet import FleetError, load_fleet

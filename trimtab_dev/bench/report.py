@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from trimtab_dev.bench.envoy_configs import BASELINE, REFERENCE
-from trimtab_dev.bench.runner import Fleet, LoadPlan, LoadRun
+from trimtab_dev.bench.fleet import Fleet
+from trimtab_dev.bench.runner import LoadPlan, LoadRun
 from trimtab_dev.loadgen import summarize
 from trimtab_dev.loadgen.runner import RequestRecord, RunResult
 

@@ -1,14 +1,12 @@
-"""Processes and load of one benchmark: the simulated fleet, Envoy (+ trimtab) per policy, and
-an open-loop load with an unmeasured warm-up, sampled telemetry and a bounded tail.
+"""The load of one benchmark: one open-loop schedule of ``warmup + duration`` seconds (the
+same seed gives the same requests for every policy), sampled telemetry and a bounded tail.
+The fleet, the stack per policy, the samplers and the child processes are in :mod:`.fleet`,
+:mod:`.stack`, :mod:`.samplers` and :mod:`.processes`.
 
-Every child process is started with :class:`ChildProcess` (or :class:`EnvoyProcess`) and
-stopped by PID: SIGTERM, then SIGKILL, always reaped; callers stop them in ``finally``.
-
-The load is one open-loop schedule of ``warmup + duration`` seconds (the same seed gives the
-same requests for every policy); requests scheduled in the warm-up are sent and answered but
-not measured. Sending stops at the end of the schedule; a request still running ``tail_s``
-seconds later is cancelled and recorded as error ``unfinished`` (a policy that leaves
-requests queued for minutes fails them rather than stretching the run without bound).
+Requests scheduled in the warm-up are sent and answered but not measured. Sending stops at
+the end of the schedule; a request still running ``tail_s`` seconds later is cancelled and
+recorded as error ``unfinished`` (a policy that leaves requests queued for minutes fails
+them rather than stretching the run without bound).
 """
 
 from __future__ import annotations
@@ -21,35 +19,9 @@ from typing import Any
 
 import aiohttp
 
-from trimtab_dev.bench.fleet import Fleet, FleetServer, SimFleetProcess, parse_ready_line
-from trimtab_dev.bench.processes import (
-    READY_TIMEOUT_S,
-    STOP_TIMEOUT_S,
-    BenchError,
-    ChildProcess,
-    cli_command,
-    http_json,
-    port_open,
-    signals_deferred,
-    wait_until,
-)
-from trimtab_dev.bench.samplers import (
-    BREAKDOWN_KEPT,
-    Sampler,
-    envoy_weights,
-    samplers_for,
-    sim_stats,
-    trimtab_weights,
-)
-from trimtab_dev.bench.stack import PolicyStack
+from trimtab_dev.bench.samplers import Sampler
 from trimtab_dev.loadgen.runner import LagProbe, RequestRecord, make_session, send_one
 from trimtab_dev.loadgen.workload import Workload, build_schedule, endpoint_path, request_body
-
-__all__ = ["BREAKDOWN_KEPT", "READY_TIMEOUT_S", "STOP_TIMEOUT_S", "BenchError", "ChildProcess",
-           "Counters", "Fleet", "FleetServer", "LoadPlan", "LoadRun", "PolicyStack", "Sampler",
-           "SimFleetProcess", "cli_command", "drive", "envoy_weights", "http_json", "measure",
-           "parse_ready_line", "port_open", "samplers_for", "signals_deferred", "sim_stats",
-           "trimtab_weights", "wait_until"]
 
 Clock = Callable[[], float]
 

@@ -36,7 +36,7 @@ from typing import Any
 
 import yaml
 
-from trimtab_dev.bench.runner import (
+from trimtab_dev.bench.processes import (
     READY_TIMEOUT_S,
     BenchError,
     ChildProcess,

@@ -10,15 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trimtab_dev.bench import envoy_configs, report
-from trimtab_dev.bench.runner import (
-    Counters,
-    Fleet,
-    LoadPlan,
-    PolicyStack,
-    Sampler,
-    sim_stats,
-    trimtab_weights,
-)
+from trimtab_dev.bench.fleet import Fleet
+from trimtab_dev.bench.runner import Counters, LoadPlan
+from trimtab_dev.bench.samplers import Sampler, sim_stats, trimtab_weights
+from trimtab_dev.bench.stack import PolicyStack
 from trimtab_dev.loadgen.runner import RequestRecord
 
 LIVE_EVERY_S = 1.0

@@ -40,14 +40,10 @@ from typing import Any
 
 from trimtab_dev.bench import envoy_configs, report
 from trimtab_dev.bench.cli import interrupts_as_keyboard, long_context_for
-from trimtab_dev.bench.runner import (
-    BenchError,
-    LoadPlan,
-    LoadRun,
-    PolicyStack,
-    SimFleetProcess,
-    measure,
-)
+from trimtab_dev.bench.fleet import SimFleetProcess
+from trimtab_dev.bench.processes import BenchError
+from trimtab_dev.bench.runner import LoadPlan, LoadRun, measure
+from trimtab_dev.bench.stack import PolicyStack
 from trimtab_dev.demo.live import (
     LIVE_EVERY_S,
     Display,

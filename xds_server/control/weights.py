@@ -14,13 +14,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from weight_calculator.adjust import flag_problems, warm_up, without_warm_up
-from weight_calculator.composite import (
-    CompositePolicy,
-    EndpointInput,
-    Signals,
-    compute_composite_weights,
-)
+from weight_calculator.composite import compute_composite_weights
 from weight_calculator.gpu_memory import compute_pool_weights
+from weight_calculator.inputs import CompositePolicy, EndpointInput, Signals
 from weight_calculator.loss import hold_on_loss, on_tick_clock, restore_stamps, saturate
 from weight_calculator.queueing import (
     STANDBY_WITH_FALLBACK,
