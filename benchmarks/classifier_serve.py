@@ -36,7 +36,6 @@ import platform
 import random
 import re
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -58,6 +57,7 @@ from benchmarks.request_features import (  # noqa: E402
     drive,
     variant_config,
 )
+from benchmarks.request_features import summarise as summarise_rounds  # noqa: E402
 from trimtab_dev.envoy_process import envoy_binary, free_port  # noqa: E402
 from xds_server.config.load import parse_config  # noqa: E402
 
@@ -190,24 +190,15 @@ def run_variant(variant: str, rate: float, seconds: float, endpoints: int, inter
 
 
 def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
-    summary: dict[str, Any] = {}
-    for variant in VARIANTS:
-        if any(variant not in r for r in rounds):
-            continue
-        entry: dict[str, Any] = {"failed": sum(r[variant]["failed"] for r in rounds),
-                                 "requests": sum(r[variant]["requests"] for r in rounds)}
-        for stat in ("envoy_added_p50_ms", "envoy_added_p99_ms", "p50_ms", "p99_ms"):
-            entry[stat] = statistics.median(r[variant][stat] for r in rounds)
-            if variant != "serve-baseline" and all("serve-baseline" in r for r in rounds):
-                added = [r[variant][stat] - r["serve-baseline"][stat] for r in rounds]
-                entry[f"added_{stat}"] = statistics.median(added)
-                entry[f"added_{stat}_spread"] = [min(added), max(added)]
+    """request_features' summary against ``serve-baseline``, plus requests and ticks."""
+    summary = summarise_rounds(rounds, VARIANTS, baseline="serve-baseline")
+    for variant, entry in summary.items():
+        entry["requests"] = sum(r[variant]["requests"] for r in rounds)
         ticks = [r[variant]["serve"].get("trimtab_tick_duration_seconds_count", 0)
                  for r in rounds]
         sums = [r[variant]["serve"].get("trimtab_tick_duration_seconds_sum", 0) for r in rounds]
         entry["ticks"] = sum(ticks)
         entry["mean_tick_ms"] = 1000 * sum(sums) / sum(ticks) if sum(ticks) else None
-        summary[variant] = entry
     return summary
 
 

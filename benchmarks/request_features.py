@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -323,17 +324,20 @@ def added_time(access_log: Path, skip: int) -> dict[str, Any]:
             "envoy_added_count": len(added)}
 
 
-def summarise(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
+def summarise(rounds: list[dict[str, dict[str, Any]]], variants: Sequence[str] = VARIANTS,
+              baseline: str = "baseline") -> dict[str, Any]:
+    """Per variant present in every round: failed requests, the median of each latency over
+    the rounds, and (against ``baseline`` of the same round) the added median and spread."""
     summary: dict[str, Any] = {}
-    for variant in VARIANTS:
+    for variant in variants:
         if any(variant not in r for r in rounds):
             continue
         entry: dict[str, Any] = {"failed": sum(r[variant]["failed"] for r in rounds)}
         for stat in ("envoy_added_p50_ms", "envoy_added_p99_ms", "p50_ms", "p99_ms"):
             values = [r[variant][stat] for r in rounds]
             entry[stat] = statistics.median(values)
-            if variant != "baseline" and all("baseline" in r for r in rounds):
-                added = [r[variant][stat] - r["baseline"][stat] for r in rounds]
+            if variant != baseline and all(baseline in r for r in rounds):
+                added = [r[variant][stat] - r[baseline][stat] for r in rounds]
                 entry[f"added_{stat}"] = statistics.median(added)
                 entry[f"added_{stat}_spread"] = [min(added), max(added)]
         summary[variant] = entry
