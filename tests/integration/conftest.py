@@ -236,6 +236,29 @@ def write_config(path: Path, fleet: BackendFleet, ports: dict[str, int]) -> dict
     return members
 
 
+INTENT_ROLES = ["intent", "intent-code", "plain"]  # the classifier stacks' pools, in fleet order
+
+
+def intent_tier_config(fleet: BackendFleet, ports: dict[str, int], **classifier: Any
+                       ) -> dict[str, Any]:
+    """The config of the classifier e2e stacks: pool `intent` sends tier `code` to
+    `intent-code` (same model), `plain` has no tiers; ``classifier`` is the classifier
+    section (its address is ``ports["classifier"]``)."""
+    def pool(name: str, model: str, **extra: Any) -> dict[str, Any]:
+        address = fleet.addresses[INTENT_ROLES.index(name)]
+        return {"name": name, "model": model, "endpoints": [{"address": address}], **extra}
+
+    return {
+        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
+        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
+        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
+        "telemetry": {"interval_seconds": 0.5, "stale_after_seconds": 3.0},
+        "classifier": {"address": f"127.0.0.1:{ports['classifier']}", **classifier},
+        "pools": [pool("intent", "m-intent", intent_tiers={"code": "intent-code"}),
+                  pool("intent-code", "m-intent"), pool("plain", "m-plain")],
+    }
+
+
 @pytest.fixture(scope="module", params=["sotw", "delta"])
 def shared_stack(request: pytest.FixtureRequest,
                  tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess
+from tests.integration.conftest import INTENT_ROLES, TrimtabProcess, intent_tier_config
 from tests.support import BackendFleet
 from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 SETTLE_S = 15.0
 TIMEOUT_MS = 50
-ROLES = ["intent", "intent-code", "plain"]
+ROLES = INTENT_ROLES
 RULES = [{"tier": "code", "keywords": ["python"], "patterns": [r"\bdef \w+\("]}]
 
 
@@ -80,21 +80,8 @@ class Stack:
 
 
 def build_config(fleet: BackendFleet, ports: dict[str, int]) -> dict[str, Any]:
-    def pool(name: str, model: str, **extra: Any) -> dict[str, Any]:
-        address = fleet.addresses[ROLES.index(name)]
-        return {"name": name, "model": model, "endpoints": [{"address": address}], **extra}
-
-    return {
-        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
-        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
-        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
-        "telemetry": {"interval_seconds": 0.5, "stale_after_seconds": 3.0},
-        "classifier": {"embedded": False,  # this test runs `trimtab classify` itself
-                       "address": f"127.0.0.1:{ports['classifier']}",
-                       "message_timeout_ms": TIMEOUT_MS, "rules": RULES},
-        "pools": [pool("intent", "m-intent", intent_tiers={"code": "intent-code"}),
-                  pool("intent-code", "m-intent"), pool("plain", "m-plain")],
-    }
+    return intent_tier_config(fleet, ports, embedded=False,  # this test runs `trimtab classify`
+                              message_timeout_ms=TIMEOUT_MS, rules=RULES)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.integration.conftest import TrimtabProcess
+from tests.integration.conftest import INTENT_ROLES, TrimtabProcess, intent_tier_config
 from tests.support import BackendFleet
 from tests.support.wait import wait_until
 from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
@@ -32,7 +32,7 @@ from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
 pytestmark = pytest.mark.slow
 
 SETTLE_S = 15.0
-ROLES = ["intent", "intent-code", "plain"]
+ROLES = INTENT_ROLES
 
 
 @dataclass
@@ -78,20 +78,8 @@ class Stack:
 
 def build_config(fleet: BackendFleet, ports: dict[str, int], **classifier: Any
                  ) -> dict[str, Any]:
-    def pool(name: str, model: str, **extra: Any) -> dict[str, Any]:
-        address = fleet.addresses[ROLES.index(name)]
-        return {"name": name, "model": model, "endpoints": [{"address": address}], **extra}
-
-    return {
-        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
-        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
-        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
-        "telemetry": {"interval_seconds": 0.5, "stale_after_seconds": 3.0},
-        "classifier": {"address": f"127.0.0.1:{ports['classifier']}", "message_timeout_ms": 50,
-                       "rules": [{"tier": "code", "keywords": ["python"]}], **classifier},
-        "pools": [pool("intent", "m-intent", intent_tiers={"code": "intent-code"}),
-                  pool("intent-code", "m-intent"), pool("plain", "m-plain")],
-    }
+    section = {"message_timeout_ms": 50, "rules": [{"tier": "code", "keywords": ["python"]}]}
+    return intent_tier_config(fleet, ports, **{**section, **classifier})
 
 
 @pytest.fixture(scope="module")
