@@ -60,20 +60,25 @@ class ChildProcess:
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM, then SIGKILL after ``timeout``; always reaps."""
         proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.kill(proc.pid, signal.SIGTERM)
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(timeout)
-        except ProcessLookupError:
-            proc.wait(timeout)
+        stop_process(proc, timeout)
 
     def log_tail(self, lines: int = 20) -> str:
         text = self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
         return "\n".join(text.splitlines()[-lines:])
+
+
+def stop_process(proc: subprocess.Popen[bytes] | None, timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM by PID, then SIGKILL after ``timeout``; always reaps."""
+    if proc is None or proc.poll() is not None:
+        return
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout)
+    except ProcessLookupError:
+        proc.wait(timeout)
 
 
 @contextlib.contextmanager

@@ -13,7 +13,6 @@ import argparse
 import http.client
 import json
 import math
-import os
 import signal
 import socket
 import subprocess
@@ -29,6 +28,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
+from trimtab_dev.bench.processes import stop_process
 from trimtab_dev.demo.fake_gpu import DemoBackends
 from trimtab_dev.demo.layout import DemoError, Layout, check_ports_free, prepare_layout
 from trimtab_dev.envoy_process import EnvoyError, EnvoyProcess
@@ -173,23 +173,9 @@ class Demo:
         try:
             self.envoy.stop(STOP_TIMEOUT_S)
         finally:
-            _stop_process(self.trimtab)
+            stop_process(self.trimtab)
             self.trimtab = None
             self.backends.stop()
-
-
-def _stop_process(proc: subprocess.Popen[bytes] | None) -> None:
-    """SIGTERM by PID, then SIGKILL; always reaps."""
-    if proc is None or proc.poll() is not None:
-        return
-    try:
-        os.kill(proc.pid, signal.SIGTERM)
-        proc.wait(STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(STOP_TIMEOUT_S)
-    except ProcessLookupError:
-        proc.wait(STOP_TIMEOUT_S)
 
 
 @dataclass
