@@ -87,8 +87,9 @@ def _held(computed: EndpointWeight, prior: EndpointWeight | None) -> EndpointWei
     how = f"holding weight {weight} from before the loss" if prior is not None else \
         "no weight from before the loss"
     breakdown = {**computed.breakdown, "weight": float(weight)} if computed.breakdown else {}
+    locality = prior.locality if prior is not None and prior.locality else computed.locality
     return replace(computed, weight=weight, stale=True, saturated=True, health=health,
-                   breakdown=breakdown, reason=f"fail-static: no endpoint of the pool has fresh telemetry; {how} "
+                   breakdown=breakdown, locality=locality, reason=f"fail-static: no endpoint of the pool has fresh telemetry; {how} "
                           f"({computed.reason})")
 
 
@@ -110,7 +111,10 @@ def hold_on_loss(weights: PoolWeights, observations: Mapping[str, Observation],
                  for address, ew in weights.endpoints.items()}
     before = previous.excused if previous is not None else {}
     excused = {address: before.get(address, 0) + 1 for address in observations}  # lost ticks
-    return PoolWeights(endpoints=endpoints, fail_static=True, excused=excused)
+    localities = previous.localities if previous is not None and previous.localities else \
+        weights.localities  # held with the weights: a locality of none is weight 1
+    return PoolWeights(endpoints=endpoints, fail_static=True, excused=excused,
+                       localities=localities)
 
 
 def restore_stamps(weights: PoolWeights, observations: Mapping[str, Observation]

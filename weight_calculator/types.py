@@ -71,6 +71,9 @@ class EndpointWeight:
     health: str = Health.HEALTHY  # a weight_calculator.health.Health
     breakdown: Mapping[str, float] = field(default_factory=dict)  # inputs, normalised, shares
     problems: tuple[str, ...] = ()  # rejected or partly failed inputs (see Sample.problems)
+    # The Envoy locality (capacity tier) the endpoint is published in; None: the pool has one
+    # locality for every endpoint (weight_calculator.capacity_tiers).
+    locality: str | None = None
 
 
 @dataclass(frozen=True)
@@ -83,3 +86,6 @@ class PoolWeights:
     # they do not count against stale_after (see weight_calculator.loss), while that endpoint
     # is still catching up.
     excused: Mapping[str, int] = field(default_factory=dict)
+    # Locality (capacity tier) -> its Envoy load_balancing_weight: the tier's share of the
+    # pool; empty when the endpoints are not grouped (one locality of weight 1).
+    localities: Mapping[str, int] = field(default_factory=dict)

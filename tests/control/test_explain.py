@@ -22,7 +22,7 @@ STATIC = parse_config({
         {"address": "10.0.2.3:80", "signals": {"kv_usage": -0.5, "queue": 16}},
     ]}],
 })
-COLUMNS = ["pool", "cluster", "endpoint", "weight", "health", "stale", "capacity",
+COLUMNS = ["pool", "cluster", "endpoint", "locality", "weight", "health", "stale", "capacity",
            "capacity_tokens", "inputs", "normalised", "shares", "reason"]
 
 

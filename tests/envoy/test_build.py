@@ -57,3 +57,32 @@ def test_eds_health_carries_degraded_and_standby_only() -> None:
     settings = endpoint_settings(_weights(5, 1, health="STANDBY"))
     assert settings["p"]["10.0.0.1:80"].weight == 5
     assert settings["p"]["10.0.0.1:80"].health == "DRAINING"
+
+
+def test_capacity_tiers_reach_eds_as_weighted_localities_and_the_cluster_uses_them() -> None:
+    config = parse_config({"pools": [{"name": "p", "model": "m", "endpoints": [
+        {"address": a} for a in ("10.0.0.1:80", "10.0.0.2:80", "10.0.0.3:80")]}]})
+
+    def ew(locality: str | None, health: str = "HEALTHY") -> EndpointWeight:
+        return EndpointWeight(100, False, False, {}, 1.0, "ok", health, locality=locality)
+
+    weights = {"p": PoolWeights({"10.0.0.1:80": ew("kv9"), "10.0.0.2:80": ew("kv9"),
+                                 "10.0.0.3:80": ew("kv3", "STANDBY")}, False,
+                                localities={"kv9": 100, "kv3": 1})}
+    static = config_resources(config)
+    resources = build_resources(static, route_resources(config, {}, {}), weights)
+    cla, = resources[T.ENDPOINT]
+    assert [(loc.locality.zone, loc.load_balancing_weight.value,
+             [lb.endpoint.address.socket_address.address for lb in loc.lb_endpoints])
+            for loc in cla.endpoints] == [("kv3", 1, ["10.0.0.3"]),
+                                          ("kv9", 100, ["10.0.0.1", "10.0.0.2"])]
+    assert cla.endpoints[0].lb_endpoints[0].health_status == 3  # DRAINING
+    cluster, = resources[T.CLUSTER]
+    assert cluster.common_lb_config.HasField("locality_weighted_lb_config")
+    assert cluster.least_request_lb_config.choice_count.value == 8  # the pool's default
+    # without tiers (another policy): one default locality of weight 1, as before
+    plain = {"p": PoolWeights({a: ew(None) for a in ("10.0.0.1:80", "10.0.0.2:80")}, False)}
+    cla, = build_resources(static, route_resources(config, {}, {}), plain)[T.ENDPOINT]
+    assert [(loc.locality.zone, loc.load_balancing_weight.value, len(loc.lb_endpoints))
+            for loc in cla.endpoints] == [("default", 1, 3)]
+    assert endpoint_settings(weights)["p"]["10.0.0.1:80"].locality_weight == 100

@@ -75,11 +75,15 @@ def test_a_config_naming_neither_gets_queueing_weights_and_least_request() -> No
         clock[0] += 2.0
     cluster = cache.snapshot.of_type(T.CLUSTER)["p"].message
     assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
-    weights = controller.weights["p"].endpoints
-    fast, slow = weights["10.0.0.1:80"], weights["10.0.0.2:80"]
-    # same KV capacity, but the slow one was measured at 1000 tokens/s while queueing
+    weights = controller.weights["p"]
+    fast, slow = weights.endpoints["10.0.0.1:80"], weights.endpoints["10.0.0.2:80"]
+    # same KV capacity, but the slow one was measured at 1000 tokens/s while queueing: the
+    # fast one did 10000 without a queue, so the capacity tier is split by rate
     assert slow.breakdown["service_rate"] == 1000.0
-    assert fast.weight == 100 and slow.weight < 10
+    assert fast.locality == "kv100000" and slow.locality == "kv100000-2"
+    cla = cache.snapshot.of_type(T.ENDPOINT)["p"].message
+    published = {loc.locality.zone: loc.load_balancing_weight.value for loc in cla.endpoints}
+    assert published["kv100000"] == 100 and published["kv100000-2"] < 10
 
 
 def test_a_standby_endpoint_is_draining_in_eds() -> None:

@@ -78,6 +78,19 @@ def test_hold_on_loss_keeps_previous_weights_and_degraded_health() -> None:
     assert "holding weight 80 from before the loss" in held.endpoints["a"].reason
 
 
+def test_hold_on_loss_keeps_the_localities_of_before_the_loss() -> None:
+    from dataclasses import replace
+
+    computed = PoolWeights({"a": replace(_ew(1), locality="unknown")}, False,
+                           localities={"unknown": 1})
+    previous = PoolWeights({"a": replace(_ew(80), locality="kv400000")}, False,
+                           localities={"kv400000": 100, "kv100000": 9})
+    lost = {"a": Observation(Sample(NOW, {}), "timeout", NOW, 1)}
+    held = hold_on_loss(computed, lost, previous)
+    assert held.localities == previous.localities
+    assert held.endpoints["a"].locality == "kv400000"
+
+
 # --- through the controller: the loss at 50 tick phases -------------------------------------
 
 

@@ -19,9 +19,15 @@ from weight_calculator.queueing import (
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 NOW = 1000.0
-POLICY = QueueingPolicy()  # utilisation "saturated": only queued intervals measure the rate
-KV = QueueingPolicy(utilisation="kv")  # unsaturated intervals extrapolated by KV use
-SQRT_KV = QueueingPolicy(utilisation="kv", split="square_root")  # round 1's split
+# Per-endpoint weights (round 2's semantics: one locality). The endpoints here share one KV
+# capacity, so the default capacity tiers would pool them; tests/weight_calculator/
+# test_weight_tiers.py covers the tiers. Utilisation "queued": only queued intervals
+# measure the rate.
+POLICY = QueueingPolicy(capacity_tiers=False)
+KV = QueueingPolicy(utilisation="kv", capacity_tiers=False)  # unsaturated: by KV use
+SQRT_KV = QueueingPolicy(utilisation="kv", split="square_root",
+                         capacity_tiers=False)  # round 1's split
+TTFT = QueueingPolicy(ttft_balance=1.0, capacity_tiers=False)
 
 
 def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_per_s: float = 1.0,
@@ -116,7 +122,7 @@ def test_weights_follow_the_measured_service_rate_not_the_kv_capacity() -> None:
     assert low.breakdown["backlog"] == pytest.approx(6 * per_request)
     assert low.breakdown["predicted_wait_s"] == pytest.approx(6 * per_request / 300.0)
     assert low.health == "STANDBY" and "standby" in low.reason  # the split leaves it out
-    kept = compute_queueing_weights(inputs, readings, QueueingPolicy(utilisation="kv",
+    kept = compute_queueing_weights(inputs, readings, QueueingPolicy(capacity_tiers=False, utilisation="kv",
                                                                      standby=False), NOW, None)
     assert kept.endpoints["l"].health == "HEALTHY" and kept.endpoints["l"].weight == 1
     assert "predicted wait" in kept.endpoints["l"].reason
@@ -172,7 +178,7 @@ def test_the_service_rate_is_remembered_through_previous_weights() -> None:
 
 
 def test_weights_stay_within_bounds() -> None:
-    policy = QueueingPolicy(max_weight=7)
+    policy = QueueingPolicy(capacity_tiers=False, max_weight=7)
     inputs = {f"e{i}": inp(kv=0.99 if i == 0 else 0.1 * i, queue=1000.0 * (i % 2),
                            capacity=1000.0 * (i + 1)) for i in range(6)}
     readings = {a: history(100.0 * (i + 1), kv=0.5) for i, a in enumerate(inputs)}
@@ -244,7 +250,7 @@ def test_the_proportional_split_is_available_by_name() -> None:
     inputs = {"a": inp(kv=0.5, capacity=400_000.0), "b": inp(kv=0.5, capacity=40_000.0)}
     readings = {"a": history(4000.0, kv=0.5), "b": history(1000.0, kv=0.5)}
     w = compute_queueing_weights(inputs, readings,
-                                 QueueingPolicy(split="proportional", utilisation="kv"), NOW,
+                                 QueueingPolicy(capacity_tiers=False, split="proportional", utilisation="kv"), NOW,
                                  None)
     assert {a: e.weight for a, e in w.endpoints.items()} == {"a": 100, "b": 25}  # 8000 : 2000
     with pytest.raises(ValueError, match="split"):
@@ -266,7 +272,7 @@ def test_in_flight_work_counts_half_a_request_each() -> None:
     assert a.breakdown["predicted_wait_s"] == pytest.approx(0.5 * 200.0 * per_request / 8000.0)
     assert b.weight == 100 and a.weight < b.weight / 4
     none = compute_queueing_weights({"a": inp(running=200.0), "b": inp(running=20.0)},
-                                    readings, QueueingPolicy(utilisation="kv",
+                                    readings, QueueingPolicy(capacity_tiers=False, utilisation="kv",
                                                              in_flight_share=0.0), NOW, None)
     assert none.endpoints["a"].weight == 100  # counting queued work only
 
@@ -302,7 +308,7 @@ def test_a_pool_with_a_fallback_never_puts_enough_on_standby_to_spill() -> None:
                 "s1": history(50.0, kv=0.5), "s2": history(50.0, kv=0.5)}
     alone = compute_queueing_weights(inputs, readings, KV, NOW, None)
     assert sorted(a for a, e in alone.endpoints.items() if e.health == "STANDBY") == ["s1", "s2"]
-    guarded = QueueingPolicy(utilisation="kv", max_standby_share=STANDBY_WITH_FALLBACK)
+    guarded = QueueingPolicy(capacity_tiers=False, utilisation="kv", max_standby_share=STANDBY_WITH_FALLBACK)
     w = compute_queueing_weights(inputs, readings, guarded, NOW, None)
     healthy = sum(e.health == "HEALTHY" for e in w.endpoints.values())
     assert healthy * 1.4 >= len(inputs)  # Envoy's priority load stays 100 % on the pool
@@ -334,7 +340,7 @@ def test_equal_spare_split_leaves_every_used_endpoint_the_same_spare_rate() -> N
 def _twins(running: dict[str, float], bias: float) -> dict[str, int]:
     inputs = {a: inp(kv=0.3, running=n) for a, n in running.items()}
     readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in running}
-    policy = QueueingPolicy(active_request_bias=bias, in_flight_share=0.0)
+    policy = QueueingPolicy(capacity_tiers=False, active_request_bias=bias, in_flight_share=0.0)
     w = compute_queueing_weights(inputs, readings, policy, NOW, None)
     return {a: e.weight for a, e in w.endpoints.items()}
 
@@ -347,7 +353,7 @@ def test_least_request_divisor_is_multiplied_into_the_weights() -> None:
     # without the divisor (for derived clusters, whose active counts are their own): equal
     inputs = {a: inp(kv=0.3, running=n) for a, n in (("a", 9.0), ("b", 19.0))}
     readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
-    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0,
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(capacity_tiers=False, active_request_bias=1.0,
                                                                   in_flight_share=0.0), NOW, None)
     assert {a: e.breakdown["share_weight"] for a, e in w.endpoints.items()} == {
         "a": 100.0, "b": 100.0}
@@ -393,7 +399,7 @@ def test_the_divisor_uses_the_count_at_the_share_so_a_piled_up_twin_gets_less() 
     factor is scaled down by share / throughput and Envoy sends it less."""
     inputs = {"a": inp(kv=0.3, running=100.0), "b": inp(kv=0.3, running=20.0)}
     readings = {a: history(5000.0, waiting=2.0, kv=0.3) for a in inputs}
-    w = compute_queueing_weights(inputs, readings, QueueingPolicy(active_request_bias=1.0),
+    w = compute_queueing_weights(inputs, readings, QueueingPolicy(capacity_tiers=False, active_request_bias=1.0),
                                  NOW, None)
     a, b = w.endpoints["a"], w.endpoints["b"]
     assert b.weight == 100 and a.weight < b.weight / 2
@@ -408,3 +414,72 @@ def test_no_service_rate_is_reported_before_any_is_measured() -> None:
     w = compute_queueing_weights(inputs, {}, POLICY, NOW, None)
     assert not any("service_rate_used" in e.breakdown for e in w.endpoints.values())
     assert w.endpoints["a"].weight == 100 and w.endpoints["b"].weight == 10
+
+
+# --- first-token balance ------------------------------------------------------------------------
+
+
+def _with_ttft(readings: list[Reading], mean_s: float, per_s: float = 1.0) -> list[Reading]:
+    """The same reads with a TTFT histogram: ``per_s`` first tokens a second at ``mean_s``."""
+    t0 = readings[0].at
+    return [Reading(r.at, r.requests_done, r.tokens, r.running, r.waiting, r.kv_usage,
+                    r.prompt_tokens, ttft_sum=mean_s * per_s * (r.at - t0),
+                    ttft_count=per_s * (r.at - t0)) for r in readings]
+
+
+def _twin_shares(means: dict[str, float], policy: QueueingPolicy = TTFT) -> PoolWeights:
+    inputs = {a: inp(kv=0.3) for a in means}
+    readings = {a: _with_ttft(history(5000.0, waiting=2.0, kv=0.3), m) for a, m in means.items()}
+    return compute_queueing_weights(inputs, readings, policy, NOW, None)
+
+
+def test_rates_carry_the_windows_mean_time_to_first_token() -> None:
+    r = rates(_with_ttft(history(600.0), 0.4, per_s=2.0), NOW, POLICY)
+    assert r.ttft_requests == pytest.approx(40.0)
+    assert r.mean_ttft == pytest.approx(0.4)
+    assert rates(history(600.0), NOW, POLICY).mean_ttft is None  # no histogram: no evidence
+    # a histogram that went backwards (a restart) is skipped, not counted negative
+    reads = _with_ttft(history(600.0), 0.4)  # 10 intervals of 2 first tokens each
+    base = reads[5]
+    assert base.ttft_sum is not None and base.ttft_count is not None
+    reset = reads[:5] + [Reading(r.at, r.requests_done, r.tokens, ttft_sum=r.ttft_sum - base.ttft_sum,
+                                 ttft_count=r.ttft_count - base.ttft_count) for r in reads[5:]
+                         if r.ttft_sum is not None and r.ttft_count is not None]
+    assert rates(reset, NOW, POLICY).ttft_requests == pytest.approx(20.0 - 2.0)
+
+
+def test_an_endpoint_slower_to_first_token_than_the_pool_loses_share_in_proportion() -> None:
+    """Equal service rates, but one endpoint's requests waited three times as long for their
+    first token (prefill behind long prompts, which no counter shows): its share falls to
+    the pool's mean over its own (1 / 2 of the other's here), the faster keeps all of its."""
+    w = _twin_shares({"a": 0.2, "b": 0.6})
+    a, b = w.endpoints["a"], w.endpoints["b"]
+    assert a.breakdown["ttft_factor"] == 1.0
+    assert b.breakdown["ttft_factor"] == pytest.approx(0.4 / 0.6)  # pool mean 0.4 s
+    assert b.weight == round(100 * 0.4 / 0.6)
+    assert a.weight == 100
+    assert "first tokens in 0.60s against the pool's 0.40s" in b.reason
+    # off by name, and no evidence from one endpoint alone
+    off = _twin_shares({"a": 0.2, "b": 0.6}, QueueingPolicy(capacity_tiers=False, ttft_balance=0.0))
+    assert {e.weight for e in off.endpoints.values()} == {100}
+    inputs = {"a": inp(kv=0.3), "b": inp(kv=0.3)}
+    readings = {"a": _with_ttft(history(5000.0, waiting=2.0, kv=0.3), 0.2),
+                "b": history(5000.0, waiting=2.0, kv=0.3)}
+    alone = compute_queueing_weights(inputs, readings, TTFT, NOW, None)
+    assert {e.breakdown["ttft_factor"] for e in alone.endpoints.values()} == {1.0}
+
+
+def test_the_first_token_factor_is_bounded_and_needs_a_few_first_tokens() -> None:
+    from weight_calculator.queueing import MIN_TTFT_FACTOR
+
+    # pool mean ~50 s, b at 100 s: 0.5 ** 8 = 1 / 256, held at the bound
+    w = _twin_shares({"a": 0.01, "b": 100.0}, QueueingPolicy(capacity_tiers=False, ttft_balance=8.0))
+    assert w.endpoints["b"].breakdown["ttft_factor"] == MIN_TTFT_FACTOR
+    # two first tokens in the window are not evidence
+    inputs = {a: inp(kv=0.3) for a in "ab"}
+    readings = {a: _with_ttft(history(5000.0, waiting=2.0, kv=0.3), m, per_s=0.1)
+                for a, m in (("a", 0.2), ("b", 0.6))}
+    few = compute_queueing_weights(inputs, readings, TTFT, NOW, None)
+    assert {e.breakdown["ttft_factor"] for e in few.endpoints.values()} == {1.0}
+    with pytest.raises(ValueError, match="ttft_balance"):
+        QueueingPolicy(ttft_balance=-1.0)

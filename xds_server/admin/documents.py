@@ -26,9 +26,15 @@ def weights_document(controller: Controller) -> dict[str, Any]:
             for endpoint in members:
                 ew = computed.endpoints.get(endpoint.address) if computed else None
                 endpoints[endpoint.address] = _endpoint_document(endpoint, ew, cluster, version)
+                if ew is not None and ew.locality and computed is not None:
+                    endpoints[endpoint.address]["locality_weight"] = computed.localities.get(
+                        ew.locality, 1)
         pools[pool.name] = endpoints
     fail_static = sorted(p for p, w in controller.weights.items() if w.fail_static)
-    return {"pools": pools, "fail_static_pools": fail_static}
+    # cluster -> locality (capacity tier) -> its EDS load_balancing_weight
+    localities = {c: dict(w.localities) for c, w in sorted(controller.weights.items())
+                  if w.localities}
+    return {"pools": pools, "fail_static_pools": fail_static, "localities": localities}
 
 
 def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, cluster: str,
@@ -44,6 +50,7 @@ def _endpoint_document(endpoint: EndpointConfig, ew: EndpointWeight | None, clus
         "cluster": cluster,
         "version": version,
         "health": ew.health if ew else Health.STALE,
+        "locality": ew.locality if ew else None,
         "problems": list(ew.problems) if ew else [],
         "breakdown": breakdown_document(endpoint, ew),
     }

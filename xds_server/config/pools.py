@@ -239,6 +239,10 @@ class PoolConfig(Model):
     lb_policy: LbPolicy = "least_request"
     # least_request only: Envoy divides each weight by (active + 1) ** bias (default 1.0)
     active_request_bias: float | None = Field(None, ge=0, le=100)
+    # least_request only: among hosts of equal weight (a capacity tier), Envoy draws this many
+    # at random and takes the one with the fewest active requests (Envoy's default 2; with
+    # replacement, so 2 draws from a pair of twins are the same host half the time)
+    choice_count: int = Field(8, ge=2, le=1000)
     endpoints: list[EndpointConfig] = Field(default_factory=list)
     versions: dict[Literal["stable", "canary"], VersionConfig] | None = None
     rollout: RolloutConfig | None = None

@@ -21,12 +21,12 @@ from xds_server.telemetry.scrape import ScrapeResult
 from xds_server.xds.cache import SnapshotCache
 
 DEFAULT_SAMPLE_INTERVAL = 1.0
-_COLUMNS = ("pool", "cluster", "endpoint", "weight", "health", "stale", "capacity",
-            "capacity_tokens", "inputs", "normalised", "shares", "reason")
+_COLUMNS = ("pool", "cluster", "endpoint", "locality", "weight", "health", "stale",
+            "capacity", "capacity_tokens", "inputs", "normalised", "shares", "reason")
 _SCORE_KEYS = ("headroom", "score", "target_weight",
                # the queueing policy's estimates (tokens/s, tokens, seconds)
-               "service_rate", "throughput", "target_rate", "backlog", "predicted_wait_s",
-               "saturated_seconds")
+               "service_rate", "own_service_rate", "throughput", "target_rate", "backlog",
+               "predicted_wait_s", "saturated_seconds", "share_weight")
 
 
 def _fmt(value: Any) -> str:
@@ -73,8 +73,11 @@ def explain_rows(controller: Controller) -> list[dict[str, Any]]:
             for endpoint in endpoints:
                 ew = computed.endpoints.get(endpoint.address) if computed else None
                 doc = breakdown_document(endpoint, ew)
+                locality = ew.locality if ew else None
                 rows.append({
                     "pool": pool.name, "cluster": cluster, "endpoint": endpoint.address,
+                    "locality": (f"{locality}={computed.localities.get(locality, 1)}"
+                                 if locality and computed else None),
                     "weight": ew.weight if ew else None, "health": ew.health if ew else "-",
                     "stale": ew.stale if ew else True,
                     **{key: doc[key] for key in ("capacity", "capacity_tokens", "inputs",

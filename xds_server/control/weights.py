@@ -61,7 +61,12 @@ def queueing_policy(config: Config, pool: PoolConfig | None = None) -> QueueingP
     share = STANDBY_WITH_FALLBACK if pool is not None and pool.fallback is not None else 0.5
     knobs = config.weights.queueing.model_dump()
     bias = active_request_bias(pool) if knobs.pop("compensate_active") else 0.0
+    balancer = pool.effective_lb_policy if pool is not None else "least_request"
+    # hash balancers (affinity) keep one locality: the tiers' weights are for the pickers
+    knobs["capacity_tiers"] = knobs["capacity_tiers"] and balancer in ("least_request",
+                                                                       "round_robin")
     return QueueingPolicy(**knobs, active_request_bias=bias,
+                          equal_hosts=balancer == "least_request",
                           max_standby_share=share,
                           max_weight=config.weights.max_weight,
                           horizon_seconds=config.telemetry.interval_seconds,

@@ -86,7 +86,8 @@ def eds_health(health: str) -> str:
 def endpoint_settings(weights: Mapping[str, PoolWeights]
                       ) -> dict[str, dict[str, EndpointSetting]]:
     """cluster -> address -> the EDS weight and health."""
-    return {cluster: {address: EndpointSetting(ew.weight, eds_health(ew.health))
+    return {cluster: {address: EndpointSetting(ew.weight, eds_health(ew.health), ew.locality,
+                                               pw.localities.get(ew.locality or "", 1))
                       for address, ew in pw.endpoints.items()}
             for cluster, pw in weights.items()}
 
@@ -111,19 +112,22 @@ def build_resources(static: ConfigResources, routing: RouteResources,
 def _auto_assignments(config: Config, auto: AutoClasses,
                       settings: Mapping[str, Mapping[str, EndpointSetting]],
                       weights: Mapping[str, PoolWeights]) -> list[Message]:
-    """Each derived cluster holds its members with the pool's health and weights; under the
-    queueing policy the weights without Envoy's divisor (``share_weight``): Envoy counts
-    active requests per cluster, and a derived cluster carries only its class's few, so the
-    pool's in-flight factor would skew it (measured: long prompts piled on the H100 whose
-    pool-wide count was larger)."""
+    """Each derived cluster holds its members with the pool's health and weights. A pool
+    published as capacity tiers gives them its localities as they are (equal weights inside
+    a tier carry no divisor). Otherwise, under the queueing policy, the weights without
+    Envoy's divisor (``share_weight``): Envoy counts active requests per cluster, and a
+    derived cluster carries only its class's few, so the pool's in-flight factor would skew
+    it (measured: long prompts piled on the H100 whose pool-wide count was larger)."""
     out: list[Message] = []
     for name, classes in auto.items():
         by_address = {ep.address: ep for ep in config.pool(name).endpoints}
         own = settings.get(name, {})
         shares = weights.get(name)
+        tiered = shares is not None and bool(shares.localities)
         derived = {a: EndpointSetting(int(ew.breakdown.get("share_weight", own[a].weight)),
                                       own[a].health)
-                   for a, ew in (shares.endpoints.items() if shares else ()) if a in own}
+                   for a, ew in (shares.endpoints.items() if shares else ())
+                   if a in own and not tiered}
         for c in classes:
             members = [by_address[a] for a in c.addresses if a in by_address]
             out.append(build_load_assignment(c.cluster, members, derived or own))

@@ -45,13 +45,18 @@ UPSTREAM_IDLE_TIMEOUT_S = 3600
 
 @dataclass(frozen=True)
 class EndpointSetting:
-    """What EDS says about one endpoint. `weight` is always >= 1: Envoy NACKs 0."""
+    """What EDS says about one endpoint. `weight` is always >= 1: Envoy NACKs 0.
+    ``locality``: the Envoy locality (capacity tier) it is published in, with that
+    locality's ``locality_weight``; None: the default locality."""
 
     weight: int
     health: str = HEALTHY
+    locality: str | None = None
+    locality_weight: int = 1
 
 
 _UNWEIGHED = EndpointSetting(1)  # endpoints missing from the settings
+DEFAULT_ZONE = "default"
 
 
 def _circuit_breakers(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
@@ -89,7 +94,9 @@ def _slow_start(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
     slow.min_weight_percent.value = pool.slow_start.min_weight_percent
 
 
-def _active_request_bias(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
+def _least_request(cluster: cluster_pb2.Cluster, pool: PoolConfig) -> None:
+    if pool.effective_lb_policy == "least_request":
+        cluster.least_request_lb_config.choice_count.value = pool.choice_count
     if pool.active_request_bias is None:
         return
     bias = cluster.least_request_lb_config.active_request_bias
@@ -126,10 +133,13 @@ def build_cluster(pool: PoolConfig, name: str) -> cluster_pb2.Cluster:
     cluster.connect_timeout.FromMilliseconds(int(pool.timeouts.connect_seconds * 1000))
     # Apply weight changes at once rather than batching them for Envoy's default 1 s.
     cluster.common_lb_config.update_merge_window.FromSeconds(0)
+    # Capacity tiers are localities whose weights carry the tiers' shares (EDS); with one
+    # locality (every other policy) this changes nothing.
+    cluster.common_lb_config.locality_weighted_lb_config.SetInParent()
     _circuit_breakers(cluster, pool)
     _outlier_detection(cluster, pool)
     _slow_start(cluster, pool)
-    _active_request_bias(cluster, pool)
+    _least_request(cluster, pool)
     _health_check(cluster, pool)
     options = http_protocol_options_pb2.HttpProtocolOptions()
     options.common_http_protocol_options.idle_timeout.FromSeconds(UPSTREAM_IDLE_TIMEOUT_S)
@@ -168,20 +178,30 @@ def _host_port(address: str) -> HostPort:
 def build_load_assignment(cluster_name: str, endpoints: Sequence[EndpointConfig],
                           settings: Mapping[str, EndpointSetting]
                           ) -> endpoint_pb2.ClusterLoadAssignment:
-    """One locality (with a weight, so proxyless gRPC clients accept it) holding every endpoint.
-    Endpoints missing from `settings` get weight 1; drained ones are DRAINING."""
+    """One locality per capacity tier named in `settings` (zone = the tier, weight = its
+    share; see weight_calculator.localities), in name order, else one locality (with a
+    weight, so proxyless gRPC clients accept it) holding every endpoint. Endpoints missing
+    from `settings` get weight 1 in the default locality; drained ones are DRAINING."""
     assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
-    locality = assignment.endpoints.add()
-    locality.locality.region = "trimtab"
-    locality.locality.zone = "default"
-    locality.load_balancing_weight.value = 1
+    groups: dict[str, list[EndpointConfig]] = {}
+    weights: dict[str, int] = {}
     for endpoint in endpoints:
         setting = settings.get(endpoint.address, _UNWEIGHED)
-        health = DRAINING if endpoint.drain else setting.health
-        host_port = _host_port(endpoint.address)
-        lb = locality.lb_endpoints.add()
-        lb.endpoint.address.socket_address.address = host_port.host
-        lb.endpoint.address.socket_address.port_value = host_port.port
-        lb.load_balancing_weight.value = max(1, int(setting.weight))
-        lb.health_status = _HEALTH[health]
+        zone = setting.locality or DEFAULT_ZONE
+        groups.setdefault(zone, []).append(endpoint)
+        weights[zone] = max(weights.get(zone, 1), int(setting.locality_weight))
+    for zone in sorted(groups) or [DEFAULT_ZONE]:
+        locality = assignment.endpoints.add()
+        locality.locality.region = "trimtab"
+        locality.locality.zone = zone
+        locality.load_balancing_weight.value = max(1, weights.get(zone, 1))
+        for endpoint in groups.get(zone, ()):
+            setting = settings.get(endpoint.address, _UNWEIGHED)
+            health = DRAINING if endpoint.drain else setting.health
+            host_port = _host_port(endpoint.address)
+            lb = locality.lb_endpoints.add()
+            lb.endpoint.address.socket_address.address = host_port.host
+            lb.endpoint.address.socket_address.port_value = host_port.port
+            lb.load_balancing_weight.value = max(1, int(setting.weight))
+            lb.health_status = _HEALTH[health]
     return assignment
