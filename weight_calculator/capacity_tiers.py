@@ -15,11 +15,12 @@ run's largest; an endpoint whose capacity is unknown is in the tier ``unknown``.
 ``kv<tokens of the tier's largest member>``: stable while the hardware is.
 
 Equal memory does not always mean equal speed (two boards with the same memory, a throttled
-GPU, a noisy neighbour): :func:`split_by_rate` splits a tier whose members' own measured
-rates differ by more than ``SPLIT_FACTOR`` (the slower ones become ``<tier>-2``, ...), and
-joins them again once they are within ``MERGE_FACTOR``; the gap between the two keeps the
-noise of two estimates of identical servers (a few tens of percent over a window) from
-splitting twins back and forth.
+GPU, a noisy neighbour). Inside a tier Envoy's least_request sends a new request to the
+member with the fewest requests in flight, which by itself gives a slower member less
+traffic (it keeps its requests longer). Splitting a tier by each member's own measured rate
+was tried and left out: a single server's rate over a window swings several-fold in the
+simulator (vLLM counts a long prompt's tokens only when its prefill ends), so twins were
+split apart and one put on standby on noise (docs/results/weights.md, round 3).
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from collections.abc import Mapping
 
 TIER_TOLERANCE = 0.10  # capacities within 10 % of a tier's largest are the same hardware
 UNKNOWN = "unknown"
-SPLIT_FACTOR = 2.5  # members measured this much slower than the tier's fastest leave it
-MERGE_FACTOR = 1.6  # ... and come back once within this factor
 
 
 def capacity_tiers(capacities: Mapping[str, float | None],
@@ -53,32 +52,4 @@ def members(tiers: Mapping[str, str]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for address in sorted(tiers):
         out.setdefault(tiers[address], []).append(address)
-    return out
-
-
-def split_by_rate(tiers: Mapping[str, str], rates: Mapping[str, float | None],
-                  previous: Mapping[str, str | None],
-                  floors: Mapping[str, float | None] | None = None) -> dict[str, str]:
-    """``tiers`` with each tier's members regrouped by their own measured ``rates`` (see the
-    module docstring). A member not measured counts at the tier's fastest measured rate, or
-    at its ``floors`` entry (its throughput: it did at least that much) when that is higher:
-    low traffic is no evidence of a slow server, a throughput above a twin's rate is
-    evidence of a fast one. ``previous``: each endpoint's locality last tick (a tier split
-    then uses ``MERGE_FACTOR`` to stay split)."""
-    out = dict(tiers)
-    floors = floors or {}
-    for tier, addresses in members(tiers).items():
-        measured = {a: r for a in addresses if (r := rates.get(a)) and r > 0}
-        if not measured or len(addresses) < 2:
-            continue
-        top = max(measured.values())
-        effective = {a: measured.get(a, max(top, floors.get(a) or 0.0)) for a in addresses}
-        ordered = sorted(addresses, key=lambda a: (-effective[a], a))
-        was_split = any((previous.get(a) or tier) != tier for a in addresses)
-        factor = MERGE_FACTOR if was_split else SPLIT_FACTOR
-        head, k = effective[ordered[0]], 1
-        for a in ordered:
-            if effective[a] * factor < head:
-                head, k = effective[a], k + 1
-            out[a] = tier if k == 1 else f"{tier}-{k}"
     return out

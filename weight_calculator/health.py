@@ -4,7 +4,8 @@
 ``kv_degraded``), weight 1 at once, sent to Envoy as EDS DEGRADED. ``STALE``: no recent
 telemetry (weight held, then 1). ``INVALID``: telemetry present but unusable. ``WARMING``: new
 endpoint ramping up. ``STANDBY``: the queueing split gives it no share at this load (EDS
-DRAINING: no new requests). A ``StrEnum``, so documents and logs show the plain name.
+priority 1: no new requests while priority 0 is available, failover when it is not). A
+``StrEnum``, so documents and logs show the plain name.
 """
 
 from __future__ import annotations

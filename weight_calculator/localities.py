@@ -13,8 +13,8 @@ weight inside its locality. Pure.
   divides by the active count). Under round robin, which sees no active count, each
   member's own share (its backlog discount included) relative to the tier's largest.
 * **Standby by tier**: a tier the split leaves out, or whose share is below one weight
-  unit, is put on standby whole (every member DRAINING), the smallest first, never more
-  than ``max_standby_share`` of the pool's endpoints.
+  unit, is put on standby whole (every member in EDS priority 1), the smallest first,
+  never more than ``max_standby_share`` of the pool's endpoints.
 """
 
 from __future__ import annotations
@@ -75,7 +75,8 @@ def plan_localities(tiers: Mapping[str, str], shares: Mapping[str, float],
         if not any(a in serving and a not in idle for a in addrs):
             weights[t] = MIN_WEIGHT
             continue
-        # what Envoy counts: every host not DEGRADED or DRAINING (a stale one is healthy)
+        # what Envoy counts: every host not DEGRADED (a stale one is healthy); a tier on
+        # standby is in priority 1 whole, so its members never thin out a serving tier
         healthy = sum(1 for a in addrs if a not in degraded and a not in idle)
         available = min(1.0, OVERPROVISIONING * healthy / len(addrs))
         weights[t] = smooth(round(tier_units[t] / available), previous.get(t))

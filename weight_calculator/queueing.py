@@ -64,29 +64,16 @@ wait 8-10 s) at weight 100 while its twin held 20-30 at 9-53, and the two swappe
 (docs/results/weights.md, round 2). Between ticks Envoy still divides by the host's current
 count, so a host whose count grows past the tick's is picked less at once.
 
-**First-token balance.** The model above treats each GPU as a processor-sharing queue, but
-an LLM server's prefill is first come, first served: while a long prompt prefills, every
-request that arrives behind it waits, for longer on a slower GPU. No counter shows a
-prompt's size before it runs, so the model cannot see that cost; the servers' own
-time-to-first-token histograms do. Over the window each endpoint's mean TTFT ``T_i``
-(``vllm:time_to_first_token_seconds`` ``_sum`` / ``_count`` deltas, at least
-:data:`MIN_TTFT_REQUESTS` first tokens) is compared with the pool's, ``T = sum of the sums
-/ sum of the counts`` (what a request of the pool saw on average), and an endpoint slower
-than that has its share multiplied by ``(T / T_i) ** ttft_balance`` (never below
-:data:`MIN_TTFT_FACTOR`; endpoints at or under the pool's mean keep theirs). It is a
-proportional correction from the last window, with no memory: as the endpoint's share
-falls its first tokens come sooner and the factor relaxes. Fewer than two endpoints with
-evidence, or no histogram, leaves every share as it is; ``ttft_balance: 0`` turns it off.
-
 An endpoint the split leaves out (``r_i = 0``: the others serve this load with a larger spare)
 or whose share is below one weight unit (``max_weight * s_i / max s < 1``: the floor of 1
 would give it more than its share) is put on **standby**: health ``STANDBY``, sent to Envoy
-as ``DRAINING``, so it gets no new requests rather than the 1 % that the weight floor of 1
-would still send it (on the mixed workload that 1 % sent an L4 a 32k-token prompt every few
-minutes, and the chats queued behind it were a third of the slowest 3 %). It is back in
+as priority 1 (failover: nothing while priority 0's healthy hosts cover it), so it gets no
+new requests rather than the 1 % that the weight floor of 1 would still send it (on the
+mixed workload that 1 % sent an L4 a 32k-token prompt every few minutes, and the chats
+queued behind it were a third of the slowest 3 %). It is back in
 service at the next tick the split includes it; never more than ``max_standby_share`` (half)
-of a pool is on standby, the smallest shares first (below that Envoy's panic threshold would
-ignore health anyway). ``standby: false`` keeps weight 1 instead.
+of a pool is on standby, the smallest shares first. With capacity tiers a tier is on standby
+whole (:mod:`weight_calculator.localities`). ``standby: false`` keeps weight 1 instead.
 
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
@@ -108,7 +95,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from weight_calculator.assessment import _Assessed, assess_pool, complete_pool
-from weight_calculator.capacity_tiers import capacity_tiers, split_by_rate
+from weight_calculator.capacity_tiers import capacity_tiers
 from weight_calculator.health import DEGRADED, HEALTHY, STANDBY
 from weight_calculator.inputs import (
     MIN_WEIGHT,
@@ -123,7 +110,7 @@ from weight_calculator.splits import SPLITS, equal_spare_split, square_root_spli
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 __all__ = ["SPLITS", "QueueingPolicy", "Reading", "compute_queueing_weights",
-           "equal_spare_split", "rates", "square_root_split", "ttft_factors"]
+           "equal_spare_split", "rates", "square_root_split"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +131,7 @@ class QueueingPolicy:
     utilisation: str = "queued"  # or "saturated" (round 2), "kv" (service_rate._utilisation)
     work: str = "tokens"  # prompt + generation tokens, or "prompt" (prefill alone)
     in_flight_share: float = 0.5  # a running request's remaining work, in mean requests
-    standby: bool = True  # endpoints the split leaves out get no new requests (EDS DRAINING)
+    standby: bool = True  # endpoints the split leaves out get no new requests (EDS priority 1)
     # At most this share of a pool on standby, else none is: 0.5 keeps it above Envoy's panic
     # threshold; a pool with a fallback needs STANDBY_WITH_FALLBACK (see there).
     max_standby_share: float = 0.5
@@ -152,8 +139,6 @@ class QueueingPolicy:
     # multiplied by (in flight + 1) ** bias so that its picks follow the shares (0: round
     # robin, which follows the weights as they are). The caller passes the pool's LB.
     active_request_bias: float = 0.0
-    # exponent of the first-token balance (module docstring); 0 turns it off
-    ttft_balance: float = 0.0
     # one Envoy locality per capacity tier (weight_calculator.localities); False: one locality
     # and per-endpoint weights (round 2, and for hash balancers, which ignore localities)
     capacity_tiers: bool = True
@@ -169,7 +154,7 @@ class QueueingPolicy:
             "in_flight_share": 0 <= self.in_flight_share <= 1,
             "max_standby_share": 0 <= self.max_standby_share <= 0.5,
             "active_request_bias": 0 <= self.active_request_bias <= 100,
-            "ttft_balance": 0 <= self.ttft_balance <= 8,
+
             "max_weight": self.max_weight >= MIN_WEIGHT,
             "horizon_seconds": 0 < self.horizon_seconds < math.inf,
             "window_seconds": 0 < self.window_seconds < math.inf,
@@ -196,9 +181,6 @@ class QueueingPolicy:
 
 # --- weights ----------------------------------------------------------------------------------
 
-OWN_RATE = "own_service_rate"  # breakdown key: an endpoint's own estimate when tiered
-MIN_TTFT_REQUESTS = 3.0  # first tokens in the window before an endpoint's mean TTFT counts
-MIN_TTFT_FACTOR = 1.0 / 64.0  # the first-token balance never cuts a share by more
 
 
 def _clamp(weight: float, policy: QueueingPolicy) -> int:
@@ -223,12 +205,11 @@ class _Estimate:
     rates: Rates
     service_rate: float | None  # smoothed, None until evidence (its tier's when tiered)
     capacity: float | None
-    own_rate: float | None = None  # its own smoothed estimate (tiers: split_by_rate)
 
 
-def _prior_rate(previous: EndpointWeight | None, key: str = "service_rate") -> float | None:
+def _prior_rate(previous: EndpointWeight | None) -> float | None:
     """The service-rate estimate carried in the previous weight's breakdown, if sound."""
-    prior = previous.breakdown.get(key) if previous is not None else None
+    prior = previous.breakdown.get("service_rate") if previous is not None else None
     return prior if prior is not None and math.isfinite(prior) and prior > 0 else None
 
 
@@ -241,9 +222,9 @@ def _smoothed(fresh: float | None, prior: float | None, policy: QueueingPolicy
     return policy.rate_alpha * fresh + (1.0 - policy.rate_alpha) * prior
 
 
-def _service_rate(r: Rates, previous: EndpointWeight | None, policy: QueueingPolicy,
-                  key: str = "service_rate") -> float | None:
-    estimate = _smoothed(r.service_rate, _prior_rate(previous, key), policy)
+def _service_rate(r: Rates, previous: EndpointWeight | None, policy: QueueingPolicy
+                  ) -> float | None:
+    estimate = _smoothed(r.service_rate, _prior_rate(previous), policy)
     if estimate is not None and r.throughput is not None and r.throughput > estimate:
         estimate = r.throughput  # it did this much: its rate is at least that
     return estimate
@@ -272,41 +253,23 @@ def _filled(estimates: Sequence[_Estimate]) -> dict[str, float]:
     return out
 
 
-def ttft_factors(estimates: Sequence[_Estimate], policy: QueueingPolicy
-                 ) -> tuple[dict[str, float], float | None]:
-    """Each endpoint's first-token factor (module docstring) and the pool's mean TTFT
-    (None when fewer than two endpoints have evidence: every factor is 1 then)."""
-    factors = {e.address: 1.0 for e in estimates}
-    seen = [e for e in estimates
-            if e.rates.ttft_requests >= MIN_TTFT_REQUESTS and e.rates.ttft_seconds > 0]
-    if policy.ttft_balance <= 0 or len(seen) < 2:
-        return factors, None
-    pool = sum(e.rates.ttft_seconds for e in seen) / sum(e.rates.ttft_requests for e in seen)
-    for e in seen:
-        mean = e.rates.mean_ttft
-        assert mean is not None
-        factors[e.address] = max(MIN_TTFT_FACTOR, min(1.0, pool / mean) ** policy.ttft_balance)
-    return factors, pool
-
-
 def _work_per_request(estimates: Sequence[_Estimate]) -> float | None:
     work = sum(e.rates.work for e in estimates)
     done = sum(e.rates.done for e in estimates)
     return work / done if done > 0 and work > 0 else None
 
 
-# A pool with a fallback is an aggregate cluster's first priority: Envoy spills to the
-# fallback as soon as healthy hosts x the overprovisioning factor (1.4) fall below the pool,
-# and a DRAINING (standby) host is not healthy. Below 1 - 1/1.4 of a pool on standby nothing
-# spills, so a slow endpoint left idle never sends traffic to another model.
+# A pool with a fallback is an aggregate cluster's first priorities: Envoy spills to the
+# fallback only when the pool's priorities are short of healthy hosts. Standby hosts sit in
+# the pool's priority 1 and are healthy, so nothing spills; the tighter budget (from when
+# standby was DRAINING in priority 0) is kept as the conservative limit for such pools.
 STANDBY_WITH_FALLBACK = 1.0 - 1.0 / 1.4
-# STANDBY (weight_calculator.health): the split gives it no share at this load: EDS DRAINING
+# STANDBY (weight_calculator.health): the split gives it no share at this load: EDS priority 1
 
 
 def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
               previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
-              degraded: bool, share_units: float, rated: bool = True,
-              ttft_factor: float = 1.0, pool_ttft: float | None = None) -> EndpointWeight:
+              degraded: bool, share_units: float, rated: bool = True) -> EndpointWeight:
     """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint;
     ``share_units`` the same without Envoy's divisor (``share_weight`` in the breakdown, for
     clusters whose active counts are not the pool's: the derived prompt-size classes)."""
@@ -320,12 +283,6 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
                       "target_rate": share})
     if e.service_rate is not None:
         breakdown["service_rate"] = mu
-    if e.own_rate is not None:
-        breakdown[OWN_RATE] = e.own_rate
-    mean_ttft = e.rates.mean_ttft
-    if mean_ttft is not None:
-        breakdown["ttft_mean_s"] = mean_ttft
-    breakdown["ttft_factor"] = ttft_factor
     if rated:  # measured, else the prior; not before any rate is (mu is a capacity then)
         breakdown["service_rate_used"] = mu  # the prompt classes' prefill cap reads it
     kv = signals.get("kv_usage")
@@ -343,9 +300,6 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
         breakdown["target_weight"] = float(target)
         prior = previous.weight if previous is not None else None
         weight, health, reason = smooth(target, prior, policy), HEALTHY, a.reason
-        if ttft_factor < 1.0 and mean_ttft is not None and pool_ttft is not None:
-            reason = (f"{reason}; first tokens in {mean_ttft:.2f}s against the pool's "
-                      f"{pool_ttft:.2f}s: share x{ttft_factor:.2f}")
         if waiting:
             reason = f"{reason}; {waiting:g} waiting, predicted wait {breakdown['predicted_wait_s']:.1f}s"
     breakdown["weight"] = float(weight)
@@ -385,28 +339,6 @@ def _units(values: Mapping[str, float], policy: QueueingPolicy) -> dict[str, flo
     top = max(values.values(), default=0.0)
     return {a: policy.max_weight * v / top if top > 0 else float(policy.max_weight)
             for a, v in values.items()}
-
-
-def _own_rates(estimates: Sequence[_Estimate], tiers: Mapping[str, str],
-               held: Mapping[str, EndpointWeight], policy: QueueingPolicy) -> None:
-    """Each member's own smoothed rate (``own_service_rate``), what
-    :func:`~weight_calculator.capacity_tiers.split_by_rate` compares. Without fresh evidence
-    it drifts toward the fastest rate its capacity tier had last tick by ``horizon /
-    window`` of the gap (a low estimate from a few early intervals of a member that then got
-    no traffic would otherwise split it from its twins for good)."""
-    relax = min(1.0, policy.horizon_seconds / policy.window_seconds)
-    tier_top: dict[str, float] = {}
-    for e in estimates:
-        prior = _prior_rate(held.get(e.address))
-        if prior is not None:
-            t = tiers[e.address]
-            tier_top[t] = max(tier_top.get(t, 0.0), prior)
-    for e in estimates:
-        own = _service_rate(e.rates, held.get(e.address), policy, OWN_RATE)
-        top = tier_top.get(tiers[e.address])
-        if e.rates.service_rate is None and own is not None and top is not None:
-            own += relax * (top - own)
-        e.own_rate = own
 
 
 def _tier_rates(estimates: Sequence[_Estimate], tiers: Mapping[str, str],
@@ -450,20 +382,11 @@ def _tier_rates(estimates: Sequence[_Estimate], tiers: Mapping[str, str],
             e.service_rate = estimate
 
 
-@dataclass(frozen=True)
-class _Shares:
-    shares: dict[str, float]  # each endpoint's share of the load, discounted
-    backlogs: dict[str, float]  # its queued and in-flight work
-    ttft: dict[str, float]  # its first-token factor
-    pool_ttft: float | None  # the pool's mean time to first token
-
-
 def _shares(estimates: Sequence[_Estimate], mu: Mapping[str, float],
-            split: Mapping[str, float], rated: bool, policy: QueueingPolicy) -> _Shares:
-    """Each endpoint's share of the load after its predicted-wait discount (and first-token
-    factor), and its backlog."""
+            split: Mapping[str, float], rated: bool, policy: QueueingPolicy
+            ) -> tuple[dict[str, float], dict[str, float]]:
+    """Each endpoint's share of the load after its predicted-wait discount, and its backlog."""
     per_request = _work_per_request(estimates)
-    factors, pool_ttft = ttft_factors(estimates, policy)
     shares: dict[str, float] = {}
     backlogs: dict[str, float] = {}
     for e in estimates:
@@ -473,14 +396,13 @@ def _shares(estimates: Sequence[_Estimate], mu: Mapping[str, float],
             # queued requests whole, running ones half done on average
             backlogs[e.address] = (waiting + policy.in_flight_share * running) * per_request
             wait = backlogs[e.address] / mu[e.address] if mu[e.address] > 0 else math.inf
-            shares[e.address] = (split[e.address] * factors[e.address]
-                                 / (1.0 + wait / policy.horizon_seconds))
+            shares[e.address] = split[e.address] / (1.0 + wait / policy.horizon_seconds)
         else:  # no work counters: the queue alone, as 1 / (1 + waiting)
             backlogs[e.address] = waiting * mu[e.address] * policy.horizon_seconds
-            shares[e.address] = split[e.address] * factors[e.address] / (1.0 + waiting)
+            shares[e.address] = split[e.address] / (1.0 + waiting)
     if max(shares.values(), default=0.0) <= 0:  # all backlogged beyond their share: the rates
         shares = dict(mu)
-    return _Shares(shares, backlogs, factors, pool_ttft)
+    return shares, backlogs
 
 
 def _degraded(estimates: Sequence[_Estimate], policy: QueueingPolicy) -> set[str]:
@@ -520,18 +442,13 @@ def compute_queueing_weights(
         estimates.append(_Estimate(address, a, r, _service_rate(r, held.get(address), policy),
                                    a.capacity))
     if tiers:
-        _own_rates(estimates, tiers, held, policy)
-        tiers = split_by_rate(tiers, {e.address: e.own_rate for e in estimates},
-                              {a: ew.locality for a, ew in held.items()},
-                              {e.address: e.rates.throughput for e in estimates})
         _tier_rates(estimates, tiers, held, policy)
     mu = _filled(estimates)
     lam = sum(e.rates.throughput or 0.0 for e in estimates)
     rated = any(e.service_rate is not None for e in estimates)
     split_applied = policy.split in SPLITS and rated and lam > 0
     split = SPLITS[policy.split](mu, lam) if split_applied else dict(mu)
-    found = _shares(estimates, mu, split, rated, policy)
-    shares = found.shares
+    shares, backlogs = _shares(estimates, mu, split, rated, policy)
     left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
     degraded = _degraded(estimates, policy)
     share_units = _units(shares, policy)
@@ -556,10 +473,9 @@ def compute_queueing_weights(
         idle = _standby(units, left_out, policy)
     endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address],
                                       units.get(e.address, MIN_WEIGHT),
-                                      found.backlogs[e.address], held.get(e.address), policy,
+                                      backlogs[e.address], held.get(e.address), policy,
                                       e.address in idle, e.address in degraded,
-                                      share_units[e.address], rated,
-                                      found.ttft[e.address], found.pool_ttft)
+                                      share_units[e.address], rated)
                  for e in estimates}
     weights = complete_pool(pool, endpoints, shared)
     return _with_localities(weights, tiers, plan.weights) if tiers else weights

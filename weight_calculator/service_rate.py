@@ -3,7 +3,6 @@ queueing policy's measurement, :mod:`weight_calculator.queueing` explains the me
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,9 +19,6 @@ class Reading:
     waiting: float = 0.0
     kv_usage: float | None = None
     prompt_tokens: float | None = None  # prefill tokens alone (vllm:prompt_tokens_total)
-    # the cumulative TTFT histogram's _sum (seconds) and _count (vllm:time_to_first_token_seconds)
-    ttft_sum: float | None = None
-    ttft_count: float | None = None
 
     def work(self, kind: str) -> float | None:
         """Cumulative work: ``tokens`` (prompt + generation) or ``prompt`` (prefill only)."""
@@ -55,15 +51,8 @@ class Rates:
     work: float  # tokens done in the window
     done: float  # requests finished in the window
     saturated_seconds: float  # time the engine was full (see ``_utilisation``)
-    ttft_seconds: float = 0.0  # time to first token summed over the requests of the window
-    ttft_requests: float = 0.0  # first tokens counted in the window (0: no histogram)
     busy_seconds: float = 0.0  # full-utilisation-equivalent time that measured the rate
     busy_work: float = 0.0  # tokens done in that time (pooled over a tier's endpoints)
-
-    @property
-    def mean_ttft(self) -> float | None:
-        """Mean time to first token over the window; None without first tokens."""
-        return self.ttft_seconds / self.ttft_requests if self.ttft_requests > 0 else None
 
 
 def _full(r: Reading, kv_full: float) -> bool:
@@ -131,24 +120,4 @@ def rates(readings: Sequence[Reading], now: float, policy: RateKnobs) -> Rates:
     # enough evidence: one horizon's worth of full-utilisation-equivalent busy time
     enough = busy >= policy.horizon_seconds and busy_work > 0
     service = busy_work / busy if enough else None
-    ttft_seconds, ttft_requests = first_tokens(points)
-    return Rates(work / span, service, work, done, saturated, ttft_seconds, ttft_requests,
-                 busy, busy_work)
-
-
-def first_tokens(points: Sequence[Reading]) -> tuple[float, float]:
-    """Time to first token summed, and first tokens counted, between consecutive reads
-    (``points`` in time order) that both carry the TTFT histogram; an interval whose
-    histogram went backwards (a restart) or that is not finite is skipped."""
-    seconds = count = 0.0
-    for a, b in zip(points, points[1:], strict=False):
-        if None in (a.ttft_sum, a.ttft_count, b.ttft_sum, b.ttft_count):
-            continue
-        assert a.ttft_sum is not None and a.ttft_count is not None
-        assert b.ttft_sum is not None and b.ttft_count is not None
-        d_sum, d_count = b.ttft_sum - a.ttft_sum, b.ttft_count - a.ttft_count
-        if d_sum < 0 or d_count < 0 or not math.isfinite(d_sum + d_count):
-            continue
-        seconds += d_sum
-        count += d_count
-    return seconds, count
+    return Rates(work / span, service, work, done, saturated, busy, busy_work)

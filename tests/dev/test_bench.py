@@ -423,3 +423,25 @@ def test_inflight_series_and_the_per_policy_plot(tmp_path: Path) -> None:
 
     width, height = Image.open(path).size
     assert height > width * 0.5  # three rows of panels, not the old single row
+
+
+def test_effective_shares_follow_localities_then_host_weights() -> None:
+    """The bench plots, for trimtab's legs, the share of new requests each host's weight and
+    locality give it: with capacity tiers the host weights alone are flat."""
+    from trimtab_dev.bench.report import effective_shares
+
+    def host(weight: int, locality: str | None, lw: int | None, health: str = "HEALTHY"):
+        return {"weight": weight, "health": health, "locality": locality,
+                "locality_weight": lw}
+
+    tiered = {"h0": host(100, "big", 100), "h1": host(100, "big", 100),
+              "a0": host(100, "small", 25), "a1": host(100, "small", 25, "DEGRADED"),
+              "l0": host(1, "tiny", 1, "STANDBY")}
+    shares = effective_shares(tiered)
+    small = 25 * 0.7  # one of two hosts healthy: Envoy counts 1.4 x 1/2 of the locality
+    assert shares["h0"] == pytest.approx(50 / (100 + small))
+    assert shares["a0"] == pytest.approx(small / (100 + small))
+    assert shares["a1"] == shares["l0"] == 0.0
+    assert sum(shares.values()) == pytest.approx(1.0)
+    plain = effective_shares({"x": host(30, None, None), "y": host(10, None, None)})
+    assert plain == {"x": pytest.approx(0.75), "y": pytest.approx(0.25)}

@@ -8,6 +8,7 @@ from xds_server.envoy.build import (
     build_resources,
     config_resources,
     eds_health,
+    eds_priority,
     endpoint_settings,
     route_resources,
 )
@@ -51,12 +52,21 @@ def test_routes_follow_the_canary_share() -> None:
     assert a.SerializeToString(deterministic=True) != b.SerializeToString(deterministic=True)
 
 
-def test_eds_health_carries_degraded_and_standby_only() -> None:
-    assert eds_health("STANDBY") == "DRAINING" and eds_health("DEGRADED") == "DEGRADED"
-    assert {eds_health(h) for h in ("HEALTHY", "STALE", "INVALID", "WARMING")} == {"HEALTHY"}
+def test_eds_health_carries_degraded_and_standby_is_priority_one() -> None:
+    assert eds_health("DEGRADED") == "DEGRADED"
+    assert {eds_health(h) for h in ("HEALTHY", "STALE", "INVALID", "WARMING", "STANDBY")} == {
+        "HEALTHY"}
+    assert (eds_priority("STANDBY"), eds_priority("HEALTHY"), eds_priority("DEGRADED")) == (
+        1, 0, 0)
     settings = endpoint_settings(_weights(5, 1, health="STANDBY"))
     assert settings["p"]["10.0.0.1:80"].weight == 5
-    assert settings["p"]["10.0.0.1:80"].health == "DRAINING"
+    assert (settings["p"]["10.0.0.1:80"].health, settings["p"]["10.0.0.1:80"].priority) == (
+        "HEALTHY", 1)
+    # a cluster whose every endpoint is on standby serves from them (priority 0)
+    static = config_resources(CONFIG)
+    cla = build_resources(static, route_resources(CONFIG, {}, {}),
+                          _weights(5, 1, health="STANDBY"))[T.ENDPOINT][0]
+    assert [loc.priority for loc in cla.endpoints] == [0]
 
 
 def test_capacity_tiers_reach_eds_as_weighted_localities_and_the_cluster_uses_them() -> None:
@@ -72,11 +82,12 @@ def test_capacity_tiers_reach_eds_as_weighted_localities_and_the_cluster_uses_th
     static = config_resources(config)
     resources = build_resources(static, route_resources(config, {}, {}), weights)
     cla, = resources[T.ENDPOINT]
-    assert [(loc.locality.zone, loc.load_balancing_weight.value,
+    # priority 0 first: the serving tier; the standby tier is priority 1, failover only
+    assert [(loc.priority, loc.locality.zone, loc.load_balancing_weight.value,
              [lb.endpoint.address.socket_address.address for lb in loc.lb_endpoints])
-            for loc in cla.endpoints] == [("kv3", 1, ["10.0.0.3"]),
-                                          ("kv9", 100, ["10.0.0.1", "10.0.0.2"])]
-    assert cla.endpoints[0].lb_endpoints[0].health_status == 3  # DRAINING
+            for loc in cla.endpoints] == [(0, "kv9", 100, ["10.0.0.1", "10.0.0.2"]),
+                                          (1, "kv3", 1, ["10.0.0.3"])]
+    assert cla.endpoints[1].lb_endpoints[0].health_status == 1  # HEALTHY
     cluster, = resources[T.CLUSTER]
     assert cluster.common_lb_config.HasField("locality_weighted_lb_config")
     assert cluster.least_request_lb_config.choice_count.value == 8  # the pool's default

@@ -77,17 +77,22 @@ def test_a_config_naming_neither_gets_queueing_weights_and_least_request() -> No
     assert cluster.lb_policy == cluster_pb2.Cluster.LEAST_REQUEST
     weights = controller.weights["p"]
     fast, slow = weights.endpoints["10.0.0.1:80"], weights.endpoints["10.0.0.2:80"]
-    # same KV capacity, but the slow one was measured at 1000 tokens/s while queueing: the
-    # fast one did 10000 without a queue, so the capacity tier is split by rate
-    assert slow.breakdown["service_rate"] == 1000.0
-    assert fast.locality == "kv100000" and slow.locality == "kv100000-2"
+    # same KV capacity: one tier, one rate (at least what the busier one did: 10000 tokens/s),
+    # published as one locality of equal host weights, so Envoy's least_request picks the
+    # member with fewer requests in flight (the slow one keeps its requests longer)
+    assert slow.breakdown["service_rate"] == fast.breakdown["service_rate"] == 10_000.0
+    assert slow.breakdown["predicted_wait_s"] > fast.breakdown["predicted_wait_s"]
+    assert fast.locality == slow.locality == "kv100000"
     cla = cache.snapshot.of_type(T.ENDPOINT)["p"].message
-    published = {loc.locality.zone: loc.load_balancing_weight.value for loc in cla.endpoints}
-    assert published["kv100000"] == 100 and published["kv100000-2"] < 10
+    assert [(loc.locality.zone, loc.load_balancing_weight.value,
+             [lb.load_balancing_weight.value for lb in loc.lb_endpoints])
+            for loc in cla.endpoints] == [("kv100000", 100, [100, 100])]
+    assert cluster.least_request_lb_config.choice_count.value == 8
 
 
-def test_a_standby_endpoint_is_draining_in_eds() -> None:
+def test_a_standby_endpoint_is_priority_one_in_eds() -> None:
     from xds_server.envoy.build import eds_health as _eds_health
+    from xds_server.envoy.build import eds_priority
 
-    assert _eds_health("STANDBY") == "DRAINING"
+    assert (_eds_health("STANDBY"), eds_priority("STANDBY")) == ("HEALTHY", 1)
     assert _eds_health("DEGRADED") == "DEGRADED" and _eds_health("STALE") == "HEALTHY"

@@ -27,7 +27,6 @@ POLICY = QueueingPolicy(capacity_tiers=False)
 KV = QueueingPolicy(utilisation="kv", capacity_tiers=False)  # unsaturated: by KV use
 SQRT_KV = QueueingPolicy(utilisation="kv", split="square_root",
                          capacity_tiers=False)  # round 1's split
-TTFT = QueueingPolicy(ttft_balance=1.0, capacity_tiers=False)
 
 
 def history(tokens_per_s: float, *, waiting: float = 0.0, kv: float = 0.5, done_per_s: float = 1.0,
@@ -414,72 +413,3 @@ def test_no_service_rate_is_reported_before_any_is_measured() -> None:
     w = compute_queueing_weights(inputs, {}, POLICY, NOW, None)
     assert not any("service_rate_used" in e.breakdown for e in w.endpoints.values())
     assert w.endpoints["a"].weight == 100 and w.endpoints["b"].weight == 10
-
-
-# --- first-token balance ------------------------------------------------------------------------
-
-
-def _with_ttft(readings: list[Reading], mean_s: float, per_s: float = 1.0) -> list[Reading]:
-    """The same reads with a TTFT histogram: ``per_s`` first tokens a second at ``mean_s``."""
-    t0 = readings[0].at
-    return [Reading(r.at, r.requests_done, r.tokens, r.running, r.waiting, r.kv_usage,
-                    r.prompt_tokens, ttft_sum=mean_s * per_s * (r.at - t0),
-                    ttft_count=per_s * (r.at - t0)) for r in readings]
-
-
-def _twin_shares(means: dict[str, float], policy: QueueingPolicy = TTFT) -> PoolWeights:
-    inputs = {a: inp(kv=0.3) for a in means}
-    readings = {a: _with_ttft(history(5000.0, waiting=2.0, kv=0.3), m) for a, m in means.items()}
-    return compute_queueing_weights(inputs, readings, policy, NOW, None)
-
-
-def test_rates_carry_the_windows_mean_time_to_first_token() -> None:
-    r = rates(_with_ttft(history(600.0), 0.4, per_s=2.0), NOW, POLICY)
-    assert r.ttft_requests == pytest.approx(40.0)
-    assert r.mean_ttft == pytest.approx(0.4)
-    assert rates(history(600.0), NOW, POLICY).mean_ttft is None  # no histogram: no evidence
-    # a histogram that went backwards (a restart) is skipped, not counted negative
-    reads = _with_ttft(history(600.0), 0.4)  # 10 intervals of 2 first tokens each
-    base = reads[5]
-    assert base.ttft_sum is not None and base.ttft_count is not None
-    reset = reads[:5] + [Reading(r.at, r.requests_done, r.tokens, ttft_sum=r.ttft_sum - base.ttft_sum,
-                                 ttft_count=r.ttft_count - base.ttft_count) for r in reads[5:]
-                         if r.ttft_sum is not None and r.ttft_count is not None]
-    assert rates(reset, NOW, POLICY).ttft_requests == pytest.approx(20.0 - 2.0)
-
-
-def test_an_endpoint_slower_to_first_token_than_the_pool_loses_share_in_proportion() -> None:
-    """Equal service rates, but one endpoint's requests waited three times as long for their
-    first token (prefill behind long prompts, which no counter shows): its share falls to
-    the pool's mean over its own (1 / 2 of the other's here), the faster keeps all of its."""
-    w = _twin_shares({"a": 0.2, "b": 0.6})
-    a, b = w.endpoints["a"], w.endpoints["b"]
-    assert a.breakdown["ttft_factor"] == 1.0
-    assert b.breakdown["ttft_factor"] == pytest.approx(0.4 / 0.6)  # pool mean 0.4 s
-    assert b.weight == round(100 * 0.4 / 0.6)
-    assert a.weight == 100
-    assert "first tokens in 0.60s against the pool's 0.40s" in b.reason
-    # off by name, and no evidence from one endpoint alone
-    off = _twin_shares({"a": 0.2, "b": 0.6}, QueueingPolicy(capacity_tiers=False, ttft_balance=0.0))
-    assert {e.weight for e in off.endpoints.values()} == {100}
-    inputs = {"a": inp(kv=0.3), "b": inp(kv=0.3)}
-    readings = {"a": _with_ttft(history(5000.0, waiting=2.0, kv=0.3), 0.2),
-                "b": history(5000.0, waiting=2.0, kv=0.3)}
-    alone = compute_queueing_weights(inputs, readings, TTFT, NOW, None)
-    assert {e.breakdown["ttft_factor"] for e in alone.endpoints.values()} == {1.0}
-
-
-def test_the_first_token_factor_is_bounded_and_needs_a_few_first_tokens() -> None:
-    from weight_calculator.queueing import MIN_TTFT_FACTOR
-
-    # pool mean ~50 s, b at 100 s: 0.5 ** 8 = 1 / 256, held at the bound
-    w = _twin_shares({"a": 0.01, "b": 100.0}, QueueingPolicy(capacity_tiers=False, ttft_balance=8.0))
-    assert w.endpoints["b"].breakdown["ttft_factor"] == MIN_TTFT_FACTOR
-    # two first tokens in the window are not evidence
-    inputs = {a: inp(kv=0.3) for a in "ab"}
-    readings = {a: _with_ttft(history(5000.0, waiting=2.0, kv=0.3), m, per_s=0.1)
-                for a, m in (("a", 0.2), ("b", 0.6))}
-    few = compute_queueing_weights(inputs, readings, TTFT, NOW, None)
-    assert {e.breakdown["ttft_factor"] for e in few.endpoints.values()} == {1.0}
-    with pytest.raises(ValueError, match="ttft_balance"):
-        QueueingPolicy(ttft_balance=-1.0)

@@ -41,9 +41,6 @@ def test_twins_share_one_measured_rate_and_envoy_gets_one_locality_per_tier() ->
     assert e["a0"].locality == "kv100000"
     assert {ew.weight for ew in e.values()} == {100}  # equal inside a tier: least_request
     assert w.localities["kv400000"] == 100 and 1 <= w.localities["kv100000"] < 100
-    # each endpoint's own estimate is kept for the split by rate
-    assert e["h0"].breakdown["own_service_rate"] == 20_000.0
-    assert "own_service_rate" not in e["h1"].breakdown
 
 
 def test_a_homogeneous_pool_is_one_locality_of_equal_weights() -> None:

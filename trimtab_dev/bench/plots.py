@@ -85,7 +85,14 @@ def _series_axes(ax: Any, report: Mapping[str, Any], series: Mapping[str, Sequen
 
 
 def _plot_policy_weights(ax: Any, report: Mapping[str, Any], policy: str) -> None:
-    """The weights Envoy held for each host (its /clusters), over the policy's run."""
+    """Under trimtab serve (trimtab, reference): each host's share of new requests by the
+    weights and localities trimtab published; otherwise the weights Envoy held for each host
+    (its /clusters), over the policy's run."""
+    shares = report["policies"][policy].get("trimtab_shares")
+    if shares:
+        _series_axes(ax, report, shares, "% of new requests (weights, localities)",
+                     f"{policy}: share each host's weight gives it")
+        return
     series = report["policies"][policy].get("envoy_weights", {})
     flat = all(p[1] == 1 for points in series.values() for p in points)
     note = " (all 1: the balancer's own weights are not exposed)" if flat and series else ""

@@ -156,6 +156,47 @@ def weight_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[st
     return out
 
 
+OVERPROVISIONING = 1.4  # Envoy's default: a locality counts min(1, 1.4 x healthy share)
+
+
+def effective_shares(sample: Mapping[str, Any]) -> dict[str, float]:
+    """The share of new requests trimtab's weights give each endpoint (one ``/v1/weights``
+    sample, as :func:`trimtab_weights` keeps it): by locality weight (times the share of
+    the locality Envoy counts as available), then by host weight inside the locality, over
+    the hosts Envoy routes to (health HEALTHY, or WARMING/STALE: EDS HEALTHY). Envoy's
+    least_request divisor, which acts between ticks, is left out."""
+    routed = {a: v for a, v in sample.items()
+              if isinstance(v, dict) and v.get("health") not in ("STANDBY", "DEGRADED")}
+    groups: dict[str, list[str]] = {}
+    for address, value in sample.items():
+        if isinstance(value, dict):
+            groups.setdefault(str(value.get("locality") or ""), []).append(address)
+    weight_of: dict[str, float] = {}
+    for name, members in groups.items():
+        up = [a for a in members if a in routed]
+        if up:
+            lw = float(sample[up[0]].get("locality_weight") or 1.0)
+            weight_of[name] = lw * min(1.0, OVERPROVISIONING * len(up) / len(members))
+    total = sum(weight_of.values())
+    out = {a: 0.0 for a in sample}
+    for name, members in groups.items():
+        up = [a for a in members if a in routed]
+        inside = sum(float(routed[a]["weight"]) for a in up)
+        for a in up:
+            out[a] = (weight_of[name] / total) * float(routed[a]["weight"]) / inside
+    return out
+
+
+def share_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[str, list[Any]]:
+    """``{server name: [[t, percent of new requests], ...]}`` from trimtab's weight samples
+    (:func:`effective_shares`)."""
+    out: dict[str, list[Any]] = {s.name: [] for s in fleet.servers}
+    for t, sample in samples:
+        for address, share in effective_shares(sample).items():
+            out.setdefault(fleet.name_of(address), []).append([t, round(100.0 * share, 2)])
+    return out
+
+
 def inflight_series(samples: Sequence[tuple[float, Any]]) -> dict[str, list[Any]]:
     """``{server name: [[t, running + waiting], ...]}`` from the simulator's stats samples."""
     out: dict[str, list[Any]] = {}
@@ -178,6 +219,7 @@ def policy_entry(run: LoadRun, plan: LoadPlan, url: str, fleet: Fleet,
     }
     if "trimtab_weights" in run.samples:
         entry["trimtab_weights"] = weight_series(run.samples["trimtab_weights"], fleet)
+        entry["trimtab_shares"] = share_series(run.samples["trimtab_weights"], fleet)
         entry["trimtab_signals"] = [[t, {fleet.name_of(a): v.get("signals", {})
                                          for a, v in s.items()}]
                                     for t, s in run.samples["trimtab_weights"]]

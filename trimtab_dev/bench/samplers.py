@@ -46,6 +46,8 @@ def trimtab_weights(document: dict[str, Any]) -> dict[str, Any]:
     """``/v1/weights`` -> ``{address: {weight, health, signals}}`` of the bench pool."""
     pool = document["pools"][envoy_configs.CLUSTER]
     return {address: {"weight": e["weight"], "health": e.get("health"),
+                      "locality": e.get("locality"),
+                      "locality_weight": e.get("locality_weight"),
                       "signals": e.get("signals", {}),
                       "breakdown": {k: v for k, v in (e.get("breakdown") or {}).items()
                                     if k in BREAKDOWN_KEPT}}
@@ -53,8 +55,8 @@ def trimtab_weights(document: dict[str, Any]) -> dict[str, Any]:
 
 
 # the queueing policy's estimates, kept per sample so a reader can see why weights moved
-BREAKDOWN_KEPT = frozenset({"service_rate", "throughput", "target_rate", "backlog",
-                            "predicted_wait_s", "target_weight"})
+BREAKDOWN_KEPT = frozenset({"service_rate", "throughput", "target_rate",
+                            "backlog", "predicted_wait_s", "target_weight"})
 
 
 def envoy_weights(document: dict[str, Any]) -> dict[str, int]:

@@ -3,7 +3,7 @@
     python -m trimtab_dev.lab --fleet examples/fleet-hetero.yaml \\
         --workload examples/workload-mixed.yaml --seeds 1-10 --duration 60 \\
         --policy least_request --policy reference --policy cswrr_orca \\
-        --policy "trimtab" --policy "trimtab ttft_balance=0" --out /tmp/lab.json
+        --policy "trimtab" --policy "trimtab capacity_tiers=false" --out /tmp/lab.json
 
 A policy is a kind (least_request, round_robin, reference, cswrr_orca, trimtab) and, for
 trimtab, ``key=value`` overrides of ``weights.queueing`` plus ``lb=``, ``bias=`` and
@@ -80,7 +80,8 @@ def build(policy: str, addresses: list[str], seed: int) -> tuple[Envoy, Controll
                       choices=choices),
                 Fixed({k: v for k, v in knobs.items() if k != "loc"}, bool(knobs.get("loc"))))
     weights = str(knobs.pop("weights", "queueing"))
-    config = trimtab_config(addresses, lb, knobs, weights, bias)
+    auto = bool(knobs.pop("auto_classes", False))
+    config = trimtab_config(addresses, lb, knobs, weights, bias, auto)
     if choices < 0:
         choices = config.pools[0].choice_count
     envoy_bias = 1.0 if bias is None else float(bias)

@@ -23,7 +23,8 @@ from trimtab_dev.sim.server import ServerConfig
 from weight_calculator.types import Observation, PoolWeights, Sample
 from xds_server.config.schema import Config
 from xds_server.control.weights import LatencyWindow, cluster_weights
-from xds_server.envoy.build import eds_health
+from xds_server.envoy.build import eds_health, eds_priority
+from xds_server.envoy.prompt_classes import BYTES_PER_TOKEN, AutoClass, derive_classes
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
 from xds_server.telemetry.sources import page_parser
@@ -47,7 +48,28 @@ class LabServer:
         return generate_latest(registry).decode()
 
 
-Push = tuple[dict[str, int], dict[str, str]]
+@dataclass(frozen=True)
+class Derived:
+    """A derived prompt-size cluster (``long_context: auto``): requests of ``[min_tokens,
+    max_tokens)`` prompt tokens go to ``addresses``."""
+
+    cluster: str
+    min_tokens: int
+    max_tokens: int | None
+    addresses: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Push:
+    """What one tick sends Envoy: host weights and EDS health, the localities (address ->
+    locality) and their weights when there are some, and the derived clusters."""
+
+    weights: Mapping[str, int]
+    health: Mapping[str, str] = field(default_factory=dict)
+    localities: Mapping[str, str] | None = None
+    locality_weights: Mapping[str, float] | None = None
+    derived: tuple[Derived, ...] = ()
+    priorities: Mapping[str, int] = field(default_factory=dict)  # 1: standby
 
 
 class Controller(Protocol):
@@ -81,16 +103,21 @@ class Fixed:
         self.localities = localities
 
     def tick(self, now: float, servers: Sequence[LabServer]) -> Push | None:
-        weights, health, loc, loc_w = {}, {}, {}, {}
+        weights: dict[str, int] = {}
+        health: dict[str, str] = {}
+        prio: dict[str, int] = {}
+        loc: dict[str, str] = {}
+        loc_w: dict[str, float] = {}
         for s in servers:
             k, w = next(((k, v) for k, v in self.by_prefix.items()
                          if s.config.name.startswith(k)), ("", 1.0))
             weights[s.address] = 1 if self.localities else max(1, int(w))
-            health[s.address] = "DRAINING" if w <= 0 else "HEALTHY"
-            loc[s.address], loc_w[k] = k, max(w, 0.0)
+            health[s.address] = "HEALTHY"
+            prio[s.address] = 1 if w <= 0 else 0  # 0: standby, as trimtab sends it
+            loc[s.address], loc_w[k] = k, max(w, 1.0)
         if self.localities:
-            return weights, health, loc, loc_w  # type: ignore[return-value]
-        return weights, health
+            return Push(weights, health, loc, loc_w, priorities=prio)
+        return Push(weights, health, priorities=prio)
 
     def report(self, now: float, server: LabServer) -> None:
         return None
@@ -105,7 +132,7 @@ class Reference:
         kv = {s.address: s.engine.kv_usage for s in servers}
         cap = {s.address: float(s.engine.kv_capacity_tokens) for s in servers}
         waiting = {s.address: float(s.engine.num_waiting) for s in servers}
-        return reference_weights(kv, cap, waiting), {}
+        return Push(reference_weights(kv, cap, waiting))
 
     def report(self, now: float, server: LabServer) -> None:
         return None
@@ -156,7 +183,7 @@ class Cswrr:
         if ordered:
             mid = len(ordered) // 2
             default = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) // 2
-        return {s.address: valid.get(s.address, default) for s in servers}, {}
+        return Push({s.address: valid.get(s.address, default) for s in servers})
 
 
 class Trimtab:
@@ -172,6 +199,7 @@ class Trimtab:
         self.latency = LatencyWindow(config.telemetry.latency_window_seconds)
         self.samples: dict[str, Sample] = {}
         self.previous: PoolWeights | None = None
+        self.classes: tuple[AutoClass, ...] = ()
         self.history: list[tuple[float, PoolWeights]] = []
         self._parse = page_parser(None, None, False)
 
@@ -184,7 +212,7 @@ class Trimtab:
             parsed = self._parse(s.page())
             clean, _ = screen_signals(parsed.signals)
             self.latency.record(s.address, at, parsed.itl)
-            self.service.record(s.address, at, clean, parsed.ttft)
+            self.service.record(s.address, at, clean)
             self.samples[s.address] = Sample(at, clean)
         observations = {ep.address: Observation(self.samples.get(ep.address), None, EPOCH)
                         for ep in self.pool.endpoints}
@@ -193,18 +221,37 @@ class Trimtab:
         self.previous = weights
         self.history.append((now, weights))
         health = {a: eds_health(ew.health) for a, ew in weights.endpoints.items()}
+        prio = {a: eds_priority(ew.health) for a, ew in weights.endpoints.items()}
         host = {a: ew.weight for a, ew in weights.endpoints.items()}
+        derived = self._derived(weights) if self.pool.auto_classes else ()
         if weights.localities:
             loc = {a: ew.locality or "" for a, ew in weights.endpoints.items()}
-            return host, health, loc, dict(weights.localities)  # type: ignore[return-value]
-        return host, health
+            return Push(host, health, loc, dict(weights.localities), derived, prio)
+        if derived:  # as envoy.build does: share weights (no divisor) in derived clusters
+            host = {a: int(ew.breakdown.get("share_weight", ew.weight))
+                    for a, ew in weights.endpoints.items()}
+        return Push(host, health, derived=derived, priorities=prio)
+
+    def _derived(self, weights: PoolWeights) -> tuple[Derived, ...]:
+        """The pool's automatic prompt-size classes, derived as the controller does."""
+        capacities = {a: s.signals.get("kv_capacity_tokens") for a, s in self.samples.items()}
+        rates = {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
+                 for a, ew in weights.endpoints.items()}
+        self.classes = derive_classes(self.pool.name, capacities, rates, self.interval,
+                                      self.classes)
+        return tuple(Derived(c.cluster, c.min_prompt_bytes // BYTES_PER_TOKEN,
+                             None if c.max_prompt_bytes is None
+                             else c.max_prompt_bytes // BYTES_PER_TOKEN, c.addresses)
+                     for c in self.classes)
 
 
 def trimtab_config(addresses: Sequence[str], lb_policy: str = "least_request",
                    queueing: Mapping[str, Any] | None = None, weights: str = "queueing",
-                   bias: float | None = None) -> Config:
+                   bias: float | None = None, auto_classes: bool = False) -> Config:
     pool: dict[str, Any] = {"name": "fleet", "model": "m", "lb_policy": lb_policy,
                             "endpoints": [{"address": a} for a in addresses]}
+    if auto_classes:
+        pool["long_context"] = "auto"
     if bias is not None:
         pool["active_request_bias"] = bias
     return Config.model_validate({

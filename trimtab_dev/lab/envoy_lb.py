@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ class Host:
     weight: int = 1
     health: str = HEALTHY
     active: int = 0  # requests in flight from this Envoy (all workers)
+    priority: int = 0
 
 
 class Edf:
@@ -67,8 +69,9 @@ class Edf:
 
 
 class Balancer:
-    """One worker's balancer for one cluster: ``round_robin``, ``least_request`` (with
-    ``bias``) or ``weighted`` (plain EDF on the weights; what CSWRR feeds its weights to)."""
+    """One worker's picker over a fixed host list: ``round_robin``, ``least_request`` (with
+    ``bias`` and ``choices``) or ``weighted`` (plain EDF on the weights; what CSWRR feeds its
+    weights to)."""
 
     def __init__(self, kind: str, hosts: Sequence[Host], rng: random.Random,
                  bias: float = 1.0, choices: int = 2) -> None:
@@ -76,56 +79,83 @@ class Balancer:
             raise ValueError(f"unknown balancer {kind!r}")
         self.kind, self.hosts, self.rng, self.bias = kind, list(hosts), rng, bias
         self.choices = choices  # least_request with equal weights: draws, 0 = full scan
-        self._sets: dict[str, list[Host]] = {}
-        self._edf: dict[str, Edf] = {}
-        self.rebuild()
-
-    def rebuild(self) -> None:
-        """After any weight or health change (Envoy rebuilds the balancer then)."""
-        self._sets = {HEALTHY: [h for h in self.hosts if h.health == HEALTHY],
-                      DEGRADED: [h for h in self.hosts if h.health == DEGRADED],
-                      "all": list(self.hosts)}
-        self._edf = {name: Edf(hs, self._edf_weight, self.rng)
-                     for name, hs in self._sets.items() if hs}
+        self.equal = len({h.weight for h in self.hosts}) <= 1
+        self._edf = None if self.equal and kind == "least_request" else Edf(
+            self.hosts, self._edf_weight, rng)
 
     def _edf_weight(self, h: Host) -> float:
         if self.kind == "least_request" and self.bias:
             return h.weight / (h.active + 1) ** self.bias
         return float(h.weight)
 
-    def _which(self) -> str:
-        n = len(self.hosts)
-        healthy, degraded = len(self._sets[HEALTHY]), len(self._sets[DEGRADED])
-        if (healthy + degraded) < PANIC_THRESHOLD * n:
-            return "all"
-        healthy_load = min(1.0, OVERPROVISIONING * healthy / n)
-        if degraded and self.rng.random() >= healthy_load:
-            return DEGRADED
-        return HEALTHY if healthy else DEGRADED
-
     def pick(self) -> Host:
-        name = self._which()
-        hosts = self._sets[name]
-        if self.kind == "least_request" and len({h.weight for h in hosts}) == 1:
+        if self._edf is None:  # least_request, equal weights: N random choices
             if self.choices <= 0:  # FULL_SCAN: the fewest active, ties at random
-                low = min(h.active for h in hosts)
-                return self.rng.choice([h for h in hosts if h.active == low])
-            best = self.rng.choice(hosts)
+                low = min(h.active for h in self.hosts)
+                return self.rng.choice([h for h in self.hosts if h.active == low])
+            best = self.rng.choice(self.hosts)
             for _ in range(self.choices - 1):
-                other = self.rng.choice(hosts)
+                other = self.rng.choice(self.hosts)
                 if other.active < best.active:
                     best = other
             return best
-        host = self._edf[name].pick()
+        host = self._edf.pick()
         assert host is not None
         return host
 
 
+class _Worker:
+    """One worker's view of a cluster: per (priority, host source: healthy, degraded, or
+    every host of the priority in panic) an EDF over its localities (weight x availability)
+    and a picker per locality."""
+
+    def __init__(self, envoy: Envoy, rng: random.Random) -> None:
+        self.rng = rng
+        self.sources: dict[tuple[int, str], tuple[Edf | None, dict[str, Balancer]]] = {}
+        for priority in sorted({h.priority for h in envoy.hosts.values()}):
+            hosts = [h for h in envoy.hosts.values() if h.priority == priority]
+            for source in (HEALTHY, DEGRADED, "all"):
+                members = [h for h in hosts if source == "all" or h.health == source]
+                if members:
+                    self.sources[(priority, source)] = self._build(envoy, hosts, members)
+
+    def _build(self, envoy: Envoy, hosts: list[Host], members: list[Host]
+               ) -> tuple[Edf | None, dict[str, Balancer]]:
+        groups: dict[str, list[Host]] = {}
+        for h in members:
+            groups.setdefault(envoy.localities.get(h.address, ""), []).append(h)
+        pickers = {name: Balancer(envoy.kind, hs, self.rng, envoy.bias, envoy.choices)
+                   for name, hs in groups.items()}
+        if len(groups) <= 1:
+            return None, pickers
+        totals = Counter(envoy.localities.get(h.address, "") for h in hosts)
+
+        def weight(loc: Host) -> float:
+            share = len(groups[loc.address]) / totals[loc.address]
+            return (envoy.locality_weights.get(loc.address, 1.0)
+                    * min(1.0, OVERPROVISIONING * share))
+        return Edf([Host(name) for name in groups], weight, self.rng), pickers
+
+    def pick(self, source: tuple[int, str]) -> Host:
+        edf, pickers = self.sources[source]
+        if edf is None:
+            return next(iter(pickers.values())).pick()
+        chosen = edf.pick()
+        assert chosen is not None
+        return pickers[chosen.address].pick()
+
+
 class Envoy:
-    """The hosts of one cluster and ``workers`` balancers over them. With ``localities``
-    (address -> locality) and locality weights, each worker first picks a locality by EDF
-    on ``weight x min(1, 1.4 x available share)`` (Envoy's locality-weighted LB), then a
-    host inside it with the cluster's policy."""
+    """The hosts of one cluster and ``workers`` balancers over them.
+
+    Per pick, as Envoy's priority load does: priority 0's healthy hosts take
+    ``min(1, 1.4 x healthy / hosts)`` of the traffic, its DEGRADED ones up to ``1.4 x
+    degraded / hosts`` of the rest, then priority 1 likewise, and whatever is left is spread
+    over those loads in proportion (normalisation); a priority with under half its hosts
+    healthy or degraded is in panic and every host of it, DRAINING included, is eligible.
+    With ``localities`` (address -> locality) and their weights, a worker then picks a
+    locality by EDF on ``weight x min(1, 1.4 x its hosts in that source / its hosts)``
+    (locality-weighted LB), then a host inside it with the cluster's policy."""
 
     def __init__(self, kind: str, addresses: Sequence[str], seed: int, *, workers: int = 2,
                  bias: float = 1.0, choices: int = 2) -> None:
@@ -135,36 +165,48 @@ class Envoy:
         self.worker_rngs = [random.Random(f"{seed}/worker/{i}") for i in range(workers)]
         self.localities: dict[str, str] = {}
         self.locality_weights: dict[str, float] = {}
-        self.workers: list[tuple[Edf | None, dict[str, Balancer]]] = []
+        self.workers: list[_Worker] = []
+        self.loads: list[tuple[float, tuple[int, str]]] = []
         self._rebuild()
 
     def _rebuild(self) -> None:
-        groups: dict[str, list[Host]] = {}
-        for a, h in self.hosts.items():
-            groups.setdefault(self.localities.get(a, ""), []).append(h)
-        self.workers = []
-        for rng in self.worker_rngs:
-            balancers = {name: Balancer(self.kind, hs, rng, self.bias, self.choices)
-                         for name, hs in groups.items()}
-            edf = None
-            if len(groups) > 1:
-                def lw(h: Host, groups: dict[str, list[Host]] = groups) -> float:
-                    hs = groups[h.address]
-                    up = sum(1 for x in hs if x.health != DRAINING) / len(hs)
-                    return self.locality_weights.get(h.address, 1.0) * min(1.0, OVERPROVISIONING * up)
-                fake = [Host(name) for name in groups]
-                edf = Edf([f for f in fake if lw(f) > 0], lw, rng)
-            self.workers.append((edf, balancers))
+        self.workers = [_Worker(self, rng) for rng in self.worker_rngs]
+        self.loads = self._priority_loads()
+
+    def _priority_loads(self) -> list[tuple[float, tuple[int, str]]]:
+        loads: list[tuple[float, tuple[int, str]]] = []
+        left = 1.0
+        for priority in sorted({h.priority for h in self.hosts.values()}):
+            hosts = [h for h in self.hosts.values() if h.priority == priority]
+            n = len(hosts)
+            healthy = sum(1 for h in hosts if h.health == HEALTHY)
+            degraded = sum(1 for h in hosts if h.health == DEGRADED)
+            if healthy + degraded < PANIC_THRESHOLD * n:
+                loads.append((left, (priority, "all")))
+                left = 0.0
+                break
+            for count, source in ((healthy, HEALTHY), (degraded, DEGRADED)):
+                take = min(left, OVERPROVISIONING * count / n)
+                if take > 0:
+                    loads.append((take, (priority, source)))
+                    left -= take
+            if left <= 0:
+                break
+        total = sum(w for w, _ in loads)
+        return [(w / total, src) for w, src in loads] if total > 0 else [(1.0, (0, "all"))]
 
     def update(self, weights: Mapping[str, int], health: Mapping[str, str] | None = None,
                localities: Mapping[str, str] | None = None,
-               locality_weights: Mapping[str, float] | None = None) -> None:
+               locality_weights: Mapping[str, float] | None = None,
+               priorities: Mapping[str, int] | None = None) -> None:
         changed = False
         for address, w in weights.items():
             h = self.hosts[address]
             new_health = (health or {}).get(address, HEALTHY)
-            if h.weight != w or h.health != new_health:
-                h.weight, h.health, changed = max(1, int(w)), new_health, True
+            new_priority = (priorities or {}).get(address, 0)
+            if h.weight != w or h.health != new_health or h.priority != new_priority:
+                h.weight, h.health, h.priority = max(1, int(w)), new_health, new_priority
+                changed = True
         if localities is not None and (dict(localities) != self.localities
                                        or dict(locality_weights or {}) != self.locality_weights):
             self.localities = dict(localities)
@@ -173,14 +215,18 @@ class Envoy:
         if changed:
             self._rebuild()
 
+    def _source(self) -> tuple[int, str]:
+        if len(self.loads) == 1:
+            return self.loads[0][1]
+        u = self.rng.random()
+        for load, source in self.loads:
+            if u < load:
+                return source
+            u -= load
+        return self.loads[-1][1]
+
     def pick(self) -> Host:
-        edf, balancers = self.rng.choice(self.workers)
-        if edf is None:
-            host = next(iter(balancers.values())).pick()
-        else:
-            chosen = edf.pick()
-            assert chosen is not None
-            host = balancers[chosen.address].pick()
+        host = self.rng.choice(self.workers).pick(self._source())
         host.active += 1
         return host
 
@@ -219,9 +265,8 @@ class Oracle:
         host.active += 1
         return host
 
-    def update(self, weights: Mapping[str, int], health: Mapping[str, str] | None = None
-               ) -> None:
-        return None
+    def update(self, *_: object) -> None:
+        return None  # it needs no weights
 
     def done(self, host: Host) -> None:
         host.active -= 1

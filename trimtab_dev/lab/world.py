@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from trimtab_dev.lab.controllers import Controller, LabServer
+from trimtab_dev.lab.controllers import Controller, LabServer, Push
 from trimtab_dev.lab.envoy_lb import Envoy, Host
 from trimtab_dev.loadgen.workload import PlannedRequest
 from trimtab_dev.sim.engine import Engine, SimRequest, StepPlan
@@ -97,7 +97,9 @@ class World:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self.outcomes: list[Outcome] = []
-        self._open: dict[SimRequest, tuple[Outcome, Host]] = {}
+        self._open: dict[SimRequest, tuple[Outcome, Host, Any]] = {}
+        # derived prompt-size clusters: (min tokens, max tokens or None, their own Envoy)
+        self.derived: dict[str, tuple[int, int | None, Envoy]] = {}
         self.trace: list[dict[str, Any]] = []
         self._tick_phase = tick_phase
 
@@ -109,16 +111,17 @@ class World:
 
     # ---- requests -------------------------------------------------------------------------
     def _arrive(self, p: PlannedRequest) -> None:
-        pick_for = getattr(self.envoy, "pick_for", None)
-        host = pick_for(p.prompt_tokens) if pick_for else self.envoy.pick()
+        envoy = self._route(p.prompt_tokens)
+        pick_for = getattr(envoy, "pick_for", None)
+        host = pick_for(p.prompt_tokens) if pick_for else envoy.pick()
         server = self.servers[host.address]
         out = Outcome(p.index, p.at, p.prompt_tokens, p.max_tokens, server.config.name)
         self.outcomes.append(out)
         req = SimRequest(f"r{p.index}", p.prompt_tokens, p.max_tokens)
         if server.engine.validate(p.prompt_tokens, p.max_tokens) is not None:
-            self.envoy.done(host)
+            envoy.done(host)
             return
-        self._open[req] = (out, host)
+        self._open[req] = (out, host, envoy)
         self._at(self.now + server.config.efficiency.api_overhead_s,
                  lambda: self._submit(server, req))
 
@@ -137,27 +140,54 @@ class World:
     def _finish(self, server: LabServer, plan: StepPlan) -> None:
         result = server.engine.finish_step(plan, now=self.now)
         for req in result.emitted:
-            out, _ = self._open[req]
+            out = self._open[req][0]
             if out.ttft is None:
                 out.ttft = self.now - out.at
         for req in result.finished:
-            out, host = self._open.pop(req)
+            out, host, envoy = self._open.pop(req)
             out.e2e = self.now - out.at
-            self.envoy.done(host)
+            envoy.done(host)
         self._step(server)
 
     # ---- control --------------------------------------------------------------------------
     def _tick(self) -> None:
         servers = list(self.servers.values())
         push = self.controller.tick(self.now, servers)
-        self.trace.append({"t": self.now, "weights": dict(push[0]) if push else None,
-                           "health": dict(push[1]) if push else None,
+        self.trace.append({"t": self.now, "weights": dict(push.weights) if push else None,
+                           "health": dict(push.health) if push else None,
+                           "localities": dict(push.locality_weights or {}) if push else None,
                            "in_flight": {self.names[a]: s.engine.num_running
                                          + s.engine.num_waiting
                                          for a, s in self.servers.items()}})
         if push is not None:
-            self._at(self.now + PUSH_DELAY_S, lambda: self.envoy.update(*push))
+            self._at(self.now + PUSH_DELAY_S, functools.partial(self._apply, push))
         self._at(self.now + self.controller.interval, self._tick)
+
+    def _apply(self, push: Push) -> None:
+        self.envoy.update(push.weights, push.health, push.localities, push.locality_weights,
+                          push.priorities)
+        kept: dict[str, tuple[int, int | None, Envoy]] = {}
+        for d in push.derived:
+            old = self.derived.get(d.cluster)
+            envoy = old[2] if old is not None and set(old[2].hosts) == set(d.addresses) else \
+                Envoy(self.envoy.kind, d.addresses, hash(d.cluster) % 1000,
+                      bias=self.envoy.bias, choices=self.envoy.choices)
+            members = set(d.addresses)
+            envoy.update({a: w for a, w in push.weights.items() if a in members},
+                         {a: h for a, h in push.health.items() if a in members},
+                         None if push.localities is None else
+                         {a: loc for a, loc in push.localities.items() if a in members},
+                         push.locality_weights,
+                         {a: p for a, p in push.priorities.items() if a in members})
+            kept[d.cluster] = (d.min_tokens, d.max_tokens, envoy)
+        self.derived = kept
+
+    def _route(self, prompt_tokens: int) -> Any:
+        """The cluster a request's prompt size routes it to (Envoy matches content-length)."""
+        for lo, hi, envoy in self.derived.values():
+            if lo <= prompt_tokens and (hi is None or prompt_tokens < hi):
+                return envoy
+        return self.envoy
 
     def run(self) -> RunResult:
         for p in self.schedule:

@@ -228,12 +228,10 @@ class QueueingConfig(Model):
     standby: bool = True  # endpoints the split leaves out: EDS DRAINING (no new requests)
     # least_request divides weights by (active + 1) ** bias: multiply it back in (round 2)
     compensate_active: bool = True
-    # first-token balance: an endpoint slower to first token than the pool's mean gets its
-    # share x (pool mean / its mean) ** ttft_balance; 0 (the default) turns it off
-    ttft_balance: float = Field(0.0, ge=0, le=8)
     # one Envoy locality per capacity tier, weighted by the tier's share, equal host weights
     # inside it under least_request (round 3); false: one locality, per-endpoint weights
     capacity_tiers: bool = True
+
 
 
 class WeightsConfig(Model):

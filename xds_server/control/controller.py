@@ -301,7 +301,7 @@ class Controller:
             self.slo.record(address, result.collected_at, result.slo)
             clean, rejected = screen_signals(result.signals)
             self.latency.record(address, result.collected_at, result.itl)
-            self.service.record(address, result.collected_at, clean, result.ttft)
+            self.service.record(address, result.collected_at, clean)
             result = replace(result, signals=clean, problems=result.problems + rejected)
         self.store.record(address, result)
         return result

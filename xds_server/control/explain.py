@@ -25,7 +25,7 @@ _COLUMNS = ("pool", "cluster", "endpoint", "locality", "weight", "health", "stal
             "capacity", "capacity_tokens", "inputs", "normalised", "shares", "reason")
 _SCORE_KEYS = ("headroom", "score", "target_weight",
                # the queueing policy's estimates (tokens/s, tokens, seconds)
-               "service_rate", "own_service_rate", "throughput", "target_rate", "backlog",
+               "service_rate", "throughput", "target_rate", "backlog",
                "predicted_wait_s", "saturated_seconds", "share_weight")
 
 

@@ -19,7 +19,6 @@ from weight_calculator.types import PoolWeights
 from xds_server.config.schema import Config
 from xds_server.envoy.clusters import (
     DEGRADED,
-    DRAINING,
     HEALTHY,
     EndpointSetting,
     build_cluster,
@@ -76,18 +75,27 @@ def route_resources(config: Config, canary_percent: Mapping[str, float],
 
 
 def eds_health(health: str) -> str:
-    """DEGRADED reaches EDS as DEGRADED, the queueing policy's STANDBY as DRAINING (no new
-    requests); stale or invalid telemetry is expressed through weight."""
-    if health == STANDBY:
-        return DRAINING
+    """DEGRADED reaches EDS as DEGRADED; everything else as HEALTHY: stale or invalid
+    telemetry is expressed through weight, the queueing policy's STANDBY through priority
+    (:func:`eds_priority`)."""
     return DEGRADED if health == DEGRADED_HEALTH else HEALTHY
+
+
+def eds_priority(health: str) -> int:
+    """STANDBY endpoints are priority 1: Envoy sends them nothing while priority 0 is
+    available (healthy hosts x 1.4, the overprovisioning factor, cover it), and fails over to
+    them when it is not (hosts failing health checks between ticks). As DRAINING in priority
+    0 they used to thin out its healthy hosts, and below 1/1.4 of them healthy Envoy spills a
+    share of the traffic onto the DEGRADED ones (KV full)."""
+    return 1 if health == STANDBY else 0
 
 
 def endpoint_settings(weights: Mapping[str, PoolWeights]
                       ) -> dict[str, dict[str, EndpointSetting]]:
     """cluster -> address -> the EDS weight and health."""
     return {cluster: {address: EndpointSetting(ew.weight, eds_health(ew.health), ew.locality,
-                                               pw.localities.get(ew.locality or "", 1))
+                                               pw.localities.get(ew.locality or "", 1),
+                                               eds_priority(ew.health))
                       for address, ew in pw.endpoints.items()}
             for cluster, pw in weights.items()}
 
@@ -125,7 +133,7 @@ def _auto_assignments(config: Config, auto: AutoClasses,
         shares = weights.get(name)
         tiered = shares is not None and bool(shares.localities)
         derived = {a: EndpointSetting(int(ew.breakdown.get("share_weight", own[a].weight)),
-                                      own[a].health)
+                                      own[a].health, priority=own[a].priority)
                    for a, ew in (shares.endpoints.items() if shares else ())
                    if a in own and not tiered}
         for c in classes:

@@ -53,6 +53,7 @@ class EndpointSetting:
     health: str = HEALTHY
     locality: str | None = None
     locality_weight: int = 1
+    priority: int = 0  # 1: standby (weight_calculator.health.STANDBY), failover only
 
 
 _UNWEIGHED = EndpointSetting(1)  # endpoints missing from the settings
@@ -178,24 +179,30 @@ def _host_port(address: str) -> HostPort:
 def build_load_assignment(cluster_name: str, endpoints: Sequence[EndpointConfig],
                           settings: Mapping[str, EndpointSetting]
                           ) -> endpoint_pb2.ClusterLoadAssignment:
-    """One locality per capacity tier named in `settings` (zone = the tier, weight = its
-    share; see weight_calculator.localities), in name order, else one locality (with a
-    weight, so proxyless gRPC clients accept it) holding every endpoint. Endpoints missing
-    from `settings` get weight 1 in the default locality; drained ones are DRAINING."""
+    """One locality per (priority, capacity tier) named in `settings` (zone = the tier,
+    weight = its share; see weight_calculator.localities), priority 0 first, then by name;
+    else one locality (with a weight, so proxyless gRPC clients accept it) holding every
+    endpoint. Standby endpoints are priority 1. Endpoints missing from `settings` get
+    weight 1 in the default locality; drained ones are DRAINING."""
     assignment = endpoint_pb2.ClusterLoadAssignment(cluster_name=cluster_name)
-    groups: dict[str, list[EndpointConfig]] = {}
-    weights: dict[str, int] = {}
+    groups: dict[tuple[int, str], list[EndpointConfig]] = {}
+    weights: dict[tuple[int, str], int] = {}
     for endpoint in endpoints:
         setting = settings.get(endpoint.address, _UNWEIGHED)
-        zone = setting.locality or DEFAULT_ZONE
-        groups.setdefault(zone, []).append(endpoint)
-        weights[zone] = max(weights.get(zone, 1), int(setting.locality_weight))
-    for zone in sorted(groups) or [DEFAULT_ZONE]:
+        key = (setting.priority, setting.locality or DEFAULT_ZONE)
+        groups.setdefault(key, []).append(endpoint)
+        weights[key] = max(weights.get(key, 1), int(setting.locality_weight))
+    if groups and min(p for p, _ in groups) > 0:  # no priority 0 left: the standby serve
+        groups = {(0, zone): members for (_, zone), members in groups.items()}
+        weights = {(0, zone): w for (_, zone), w in weights.items()}
+    for key in sorted(groups) or [(0, DEFAULT_ZONE)]:
+        priority, zone = key
         locality = assignment.endpoints.add()
         locality.locality.region = "trimtab"
         locality.locality.zone = zone
-        locality.load_balancing_weight.value = max(1, weights.get(zone, 1))
-        for endpoint in groups.get(zone, ()):
+        locality.load_balancing_weight.value = max(1, weights.get(key, 1))
+        locality.priority = priority
+        for endpoint in groups.get(key, ()):
             setting = settings.get(endpoint.address, _UNWEIGHED)
             health = DRAINING if endpoint.drain else setting.health
             host_port = _host_port(endpoint.address)

@@ -11,25 +11,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from weight_calculator.service_rate import Reading
-from xds_server.telemetry.reading import HistogramState
+from weight_calculator.queueing import Reading
 
 MAX_SAMPLES = 64
 
 
-def reading_from_signals(at: float, signals: Mapping[str, float],
-                         ttft: HistogramState | None = None) -> Reading | None:
-    """The counters and gauges of one read, with its cumulative TTFT histogram when the page
-    has one; None when it carries no work counter."""
+def reading_from_signals(at: float, signals: Mapping[str, float]) -> Reading | None:
+    """The counters and gauges of one read; None when it carries no work counter."""
     prompt, generated = signals.get("prompt_tokens"), signals.get("generation_tokens")
     if prompt is None and generated is None:
         return None
     return Reading(at=at, requests_done=signals.get("requests_done"),
                    tokens=(prompt or 0.0) + (generated or 0.0),
                    running=signals.get("running", 0.0), waiting=signals.get("queue", 0.0),
-                   kv_usage=signals.get("kv_usage"), prompt_tokens=prompt,
-                   ttft_sum=ttft.sum if ttft is not None else None,
-                   ttft_count=ttft.count if ttft is not None else None)
+                   kv_usage=signals.get("kv_usage"), prompt_tokens=prompt)
 
 
 class ServiceHistory:
@@ -41,9 +36,8 @@ class ServiceHistory:
         self._max = max_samples
         self._data: dict[str, deque[Reading]] = {}
 
-    def record(self, address: str, at: float, signals: Mapping[str, float],
-               ttft: HistogramState | None = None) -> None:
-        reading = reading_from_signals(at, signals, ttft)
+    def record(self, address: str, at: float, signals: Mapping[str, float]) -> None:
+        reading = reading_from_signals(at, signals)
         if reading is None:
             return
         history = self._data.setdefault(address, deque(maxlen=self._max))

@@ -37,7 +37,6 @@ class ScrapeResult:
     problems: tuple[str, ...] = ()
     slo: SloCounters | None = None  # the canary gates' counters, when a rollout reads them
     itl: HistogramState | None = None  # the cumulative ITL histogram, when the page has one
-    ttft: HistogramState | None = None  # the cumulative TTFT histogram, likewise
 
 
 @dataclass(frozen=True)
@@ -48,7 +47,6 @@ class ParsedPage:
     problems: tuple[str, ...] = ()
     slo: SloCounters | None = None
     itl: HistogramState | None = None
-    ttft: HistogramState | None = None
 
 
 PageParser = Callable[[str], "dict[str, float] | ParsedPage"]
@@ -152,7 +150,7 @@ class Scraper:
             return ScrapeResult(None, f"parse: {_describe(exc)}", collected_at)
         if isinstance(parsed, ParsedPage):
             return ScrapeResult(parsed.signals, None, collected_at, parsed.problems, parsed.slo,
-                                parsed.itl, parsed.ttft)
+                                parsed.itl)
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:

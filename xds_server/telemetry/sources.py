@@ -47,7 +47,7 @@ def page_parser(gpu: str | None, uuid: str | None, with_slo: bool
     def parse(text: str) -> ParsedPage:
         reading = parse_page(text, gpu=gpu, uuid=uuid, with_slo=with_slo)
         return ParsedPage(reading.signals(), reading.problems, reading.slo,
-                          reading.histograms.get("itl"), reading.histograms.get("ttft"))
+                          reading.histograms.get("itl"))
     return parse
 
 
