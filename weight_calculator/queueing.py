@@ -2,19 +2,32 @@
 traffic share that keeps the pool's waits short.
 
 Pure functions only: the caller passes the counter history (``readings``), ``now`` and the
-previous weights; nothing here reads a clock or does I/O. The one piece of memory, each
-endpoint's service-rate estimate, travels in the previous weights' ``breakdown``
-(``service_rate``), so the result depends on nothing but the arguments.
+previous weights; nothing here reads a clock or does I/O. The memory, each endpoint's
+service-rate estimate and each locality's weight, travels in the previous weights
+(``breakdown["service_rate"]``, ``localities``), so the result depends on nothing but the
+arguments.
+
+**Capacity tiers** (``capacity_tiers``, the default; :mod:`weight_calculator.capacity_tiers`,
+:mod:`weight_calculator.localities`): endpoints of one KV capacity are the same hardware. They
+share one service rate, measured over all of them, and Envoy gets them as one locality whose
+weight is the tier's share, every member at the same host weight, so Envoy's least_request
+picks among twins by their requests in flight. Without tiers (``capacity_tiers: false``, or
+a hash balancer) each endpoint has its own rate and weight, as in round 2 (below).
 
 Per endpoint, over the readings of the last ``window_seconds``:
 
 * **Work** is prompt plus generation tokens (``vllm:prompt_tokens_total`` +
   ``vllm:generation_tokens_total``), the throughput ``X`` their delta over time.
 * **Service rate** ``mu``: the throughput *at the utilisation seen*. An interval between two
-  reads that found the engine full at both ends (requests waiting, or the KV cache at
-  ``kv_degraded`` or more: no room for another) measured its capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: saturated``,
-  the default). Any other interval only bounds ``mu`` from below (it did at least ``X``).
-  There is a measurement only once the window holds one horizon (``H``) of queued time.
+  reads that found the engine full at its start (requests waiting, or the KV cache at
+  ``kv_degraded`` or more: no room for another) and still busy at its end measured its
+  capacity: ``mu = sum(work) / sum(dt)`` over those intervals (``utilisation: queued``, the
+  default; ``saturated``, round 2's, wanted it full at both ends, which left out the
+  intervals where long prefills completed and measured 15-40 % low:
+  :func:`weight_calculator.service_rate._utilisation`). Any other interval only bounds
+  ``mu`` from below (it did at least ``X``). With tiers the intervals of every member of a
+  tier are pooled. There is a measurement only once the window holds one horizon (``H``)
+  of queued time.
   ``utilisation: kv`` also counts unqueued intervals, scaled up by their mean KV use
   (``sum(work) / sum(dt * u)``, intervals below ``min_utilisation`` skipped); measured on
   the simulator it overestimates fast GPUs about twofold (throughput does not grow linearly
@@ -24,7 +37,10 @@ Per endpoint, over the readings of the last ``window_seconds``:
   rate per KV token of the measured endpoints (or, when none is, its KV capacity alone: the
   weights are then proportional to capacity, over ``1 + waiting``), at least its throughput.
   Over-estimating an unmeasured endpoint corrects itself (it queues, and is measured);
-  under-estimating would not, which is why the prior is taken from measurements at capacity.
+  under-estimating would not, which is why the prior is taken from measurements at capacity,
+  and why a tier with no fresh measurement drifts up toward that prior (``H / window`` of
+  the gap each tick): a low estimate from a few early intervals would otherwise keep a tier
+  on standby, unmeasured, for good.
 * **Backlog** ``q = (waiting + in_flight_share * running) * c``, with ``c`` the pool's mean
   work per finished request over the window: the queued and in-flight work ahead of a new
   request (a running request is half done on average, ``in_flight_share`` 0.5). The
@@ -50,7 +66,7 @@ horizon over which the weight will hold (``H = horizon_seconds``, the telemetry 
 fraction of a tick costs it little; a small GPU whose queue means ten seconds loses nearly
 all of its share at once.
 
-**Envoy's divisor.** Envoy's weighted least_request picks a host in proportion to ``weight /
+**Envoy's divisor** (without tiers). Envoy's weighted least_request picks a host in proportion to ``weight /
 (active + 1) ** bias``; a host with many requests in flight (a fast GPU at the share it
 should have) is thereby picked less than its weight says, and the split Envoy serves drifts
 toward equal in-flight counts (round 1: the A100s and L4s got a quarter of the requests
