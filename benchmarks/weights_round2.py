@@ -1,6 +1,8 @@
-"""Issue 11, round 2: trimtab's ratios per seed (and their median) from ``trimtab bench`` runs.
+"""Issue 11, rounds 2 and 3: trimtab's ratios per seed (and their median) from ``trimtab bench``
+runs.
 
     python benchmarks/weights_round2.py benchmarks/results/r2 [docs/results/weights-round2.json]
+    python benchmarks/weights_round2.py benchmarks/results/r3 [docs/results/weights-round3.json]
 
 Reads ``ROOT/<scenario>/seed-<S>/bench.json`` (a ``--seeds`` run's layout; or
 ``ROOT/<scenario>/bench.json``, a ``--seed`` run's) and prints one

@@ -114,3 +114,40 @@ def test_capacity_tiers_are_weighted_localities_and_envoy_splits_by_them(stack) 
     for twins in (fleet.addresses[:2], fleet.addresses[2:]):  # even inside each tier
         tier = sum(served[a] for a in twins)
         assert abs(served[twins[0]] / tier - 0.5) <= 4 * math.sqrt(0.25 / tier) + 0.02, served
+
+
+def _priorities(envoy: EnvoyProcess, cluster: str) -> dict[str, int]:
+    """``{"ip:port": priority}`` for every host of ``cluster`` as Envoy holds it."""
+    for status in envoy.clusters_json().get("cluster_statuses", []):
+        if status.get("name") == cluster:
+            return {f"{s['address']}:{s['port_value']}": int(h.get("priority", 0))
+                    for h in status.get("host_statuses", [])
+                    if (s := h.get("address", {}).get("socket_address", {}))}
+    return {}
+
+
+def test_a_tier_on_standby_is_priority_1_and_gets_nothing_until_it_is_back(stack) -> None:
+    """Round 3's standby: a tier whose measured rate earns less than one weight unit goes to
+    EDS priority 1, healthy, so Envoy sends it no new request while priority 0 is healthy
+    (docs/configuration.md, "Standby"); once its rate is back it returns to priority 0."""
+    fleet, trimtab, envoy, port = stack
+    big, small = fleet.addresses[:2], fleet.addresses[2:]
+    for index in range(4):  # every server queued, the small ones 1,000x slower
+        fleet.set_vllm(index, kv_usage=0.5, waiting=4, running=8,
+                       tokens_per_s=20_000.0 if index < 2 else 20.0)
+    wait_until(lambda: trimtab.weights()["pools"]["tiers"], SETTLE_S * 2,
+               "trimtab puts the small tier on standby",
+               check=lambda pool: [pool[a]["health"] for a in small] == ["STANDBY"] * 2)
+    want = {address: 1 for address in small} | {address: 0 for address in big}
+    wait_until(lambda: _priorities(envoy, "tiers"), SETTLE_S, f"Envoy's priorities {want}",
+               check=lambda p: p == want)
+    served = _served(fleet, port, 200)
+    assert sum(served[a] for a in small) == 0, served
+    assert sum(served[a] for a in big) == 200, served
+    for index in (2, 3):  # as fast per KV token as the big tier: back in the split
+        fleet.set_vllm(index, tokens_per_s=5_000.0)
+    wait_until(lambda: _priorities(envoy, "tiers"), SETTLE_S * 2,
+               "Envoy moves the small tier back to priority 0",
+               check=lambda p: set(p.values()) == {0} and len(p) == 4)
+    served = _served(fleet, port, 400)
+    assert all(served[a] > 0 for a in small), served

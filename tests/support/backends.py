@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -52,6 +53,11 @@ class VllmPage:
     ttft_s: float = 0.05
     itl_s: float | None = None
     model: str = "fake-model"
+    # The work counters (vllm:prompt_tokens_total, vllm:generation_tokens_total, half each,
+    # and vllm:request_success_total at tokens_per_request per request) grow at this many
+    # tokens/s of wall time from the first scrape on; None: the page has no such counters.
+    tokens_per_s: float | None = None
+    tokens_per_request: float = 1000.0
 
 
 @dataclass
@@ -85,6 +91,15 @@ class _VllmCounters:
     itl: _Histogram = field(default_factory=lambda: _Histogram(ITL_BUCKETS))
     e2e: _Histogram = field(default_factory=lambda: _Histogram(()))
     statuses: dict[str, int] = field(default_factory=dict)  # "2xx" / "5xx" -> count
+    work_tokens: float = 0.0  # tokens done at the page's tokens_per_s, up to work_stamp
+    work_stamp: float | None = None  # time.monotonic() of the last advance
+
+    def advance(self, tokens_per_s: float, now: float) -> float:
+        """Tokens done so far, the time since the last call at ``tokens_per_s``."""
+        if self.work_stamp is not None:
+            self.work_tokens += tokens_per_s * max(0.0, now - self.work_stamp)
+        self.work_stamp = now
+        return self.work_tokens
 
     def observe(self, page: VllmPage, status: int) -> None:
         klass = f"{status // 100}xx"
@@ -117,6 +132,12 @@ def vllm_text(page: VllmPage, counters: _VllmCounters | None = None) -> str:
     if page.itl_s is not None:
         lines += counters.itl.lines("vllm:inter_token_latency_seconds", labels)
     lines += counters.e2e.lines("vllm:e2e_request_latency_seconds", labels)
+    if page.tokens_per_s is not None:
+        work = counters.advance(page.tokens_per_s, time.monotonic())
+        for name, value in (("vllm:prompt_tokens_total", work / 2),
+                            ("vllm:generation_tokens_total", work / 2),
+                            ("vllm:request_success_total", work / page.tokens_per_request)):
+            lines += [f"# TYPE {name} counter", f"{name}{{{labels}}} {value}"]
     lines.append("# TYPE http_requests_total counter")
     for klass in sorted({"2xx", "5xx", *counters.statuses}):
         lines.append(f'http_requests_total{{handler="/v1/chat/completions",method="POST",'

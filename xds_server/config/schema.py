@@ -225,7 +225,7 @@ class QueueingConfig(Model):
     utilisation: Literal["queued", "saturated", "kv"] = "queued"
     work: Literal["tokens", "prompt"] = "tokens"
     in_flight_share: float = Field(0.5, ge=0, le=1)  # a running request's remaining work
-    standby: bool = True  # endpoints the split leaves out: EDS DRAINING (no new requests)
+    standby: bool = True  # tiers the split leaves out: EDS priority 1 (failover only)
     # least_request divides weights by (active + 1) ** bias: multiply it back in (round 2)
     compensate_active: bool = True
     # one Envoy locality per capacity tier, weighted by the tier's share, equal host weights
