@@ -120,7 +120,7 @@ from weight_calculator.inputs import (
     EndpointInput,
     Staleness,
 )
-from weight_calculator.localities import plan_localities
+from weight_calculator.localities import OVERPROVISIONING, plan_localities
 from weight_calculator.service_rate import Rates, Reading, rates
 from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights
@@ -170,7 +170,6 @@ class QueueingPolicy:
             "in_flight_share": 0 <= self.in_flight_share <= 1,
             "max_standby_share": 0 <= self.max_standby_share <= 0.5,
             "active_request_bias": 0 <= self.active_request_bias <= 100,
-
             "max_weight": self.max_weight >= MIN_WEIGHT,
             "horizon_seconds": 0 < self.horizon_seconds < math.inf,
             "window_seconds": 0 < self.window_seconds < math.inf,
@@ -196,7 +195,6 @@ class QueueingPolicy:
 
 
 # --- weights ----------------------------------------------------------------------------------
-
 
 
 def _clamp(weight: float, policy: QueueingPolicy) -> int:
@@ -279,7 +277,7 @@ def _work_per_request(estimates: Sequence[_Estimate]) -> float | None:
 # fallback only when the pool's priorities are short of healthy hosts. Standby hosts sit in
 # the pool's priority 1 and are healthy, so nothing spills; the tighter budget (from when
 # standby was DRAINING in priority 0) is kept as the conservative limit for such pools.
-STANDBY_WITH_FALLBACK = 1.0 - 1.0 / 1.4
+STANDBY_WITH_FALLBACK = 1.0 - 1.0 / OVERPROVISIONING
 # STANDBY (weight_calculator.health): the split gives it no share at this load: EDS priority 1
 
 

@@ -23,6 +23,7 @@ from trimtab_dev.bench.fleet import Fleet
 from trimtab_dev.bench.runner import LoadPlan, LoadRun
 from trimtab_dev.loadgen import summarize
 from trimtab_dev.loadgen.runner import RequestRecord, RunResult
+from weight_calculator.localities import OVERPROVISIONING
 
 # (name, description, policy compared with, metric, operator, limit)
 Target = tuple[str, str, str, str, str, float]
@@ -156,9 +157,6 @@ def weight_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[st
     return out
 
 
-OVERPROVISIONING = 1.4  # Envoy's default: a locality counts min(1, 1.4 x healthy share)
-
-
 def effective_shares(sample: Mapping[str, Any]) -> dict[str, float]:
     """The share of new requests trimtab's weights give each endpoint (one ``/v1/weights``
     sample, as :func:`trimtab_weights` keeps it): by locality weight (times the share of
@@ -171,16 +169,14 @@ def effective_shares(sample: Mapping[str, Any]) -> dict[str, float]:
     for address, value in sample.items():
         if isinstance(value, dict):
             groups.setdefault(str(value.get("locality") or ""), []).append(address)
-    weight_of: dict[str, float] = {}
-    for name, members in groups.items():
-        up = [a for a in members if a in routed]
-        if up:
-            lw = float(sample[up[0]].get("locality_weight") or 1.0)
-            weight_of[name] = lw * min(1.0, OVERPROVISIONING * len(up) / len(members))
+    serving = {name: (up, len(members)) for name, members in groups.items()
+               if (up := [a for a in members if a in routed])}
+    weight_of = {name: float(sample[up[0]].get("locality_weight") or 1.0)
+                 * min(1.0, OVERPROVISIONING * len(up) / n)
+                 for name, (up, n) in serving.items()}
     total = sum(weight_of.values())
     out = {a: 0.0 for a in sample}
-    for name, members in groups.items():
-        up = [a for a in members if a in routed]
+    for name, (up, _) in serving.items():
         inside = sum(float(routed[a]["weight"]) for a in up)
         for a in up:
             out[a] = (weight_of[name] / total) * float(routed[a]["weight"]) / inside

@@ -24,7 +24,12 @@ from weight_calculator.types import Observation, PoolWeights, Sample
 from xds_server.config.schema import Config
 from xds_server.control.weights import LatencyWindow, cluster_weights
 from xds_server.envoy.build import eds_health, eds_priority
-from xds_server.envoy.prompt_classes import BYTES_PER_TOKEN, AutoClass, derive_classes
+from xds_server.envoy.prompt_classes import (
+    BYTES_PER_TOKEN,
+    AutoClass,
+    derive_classes,
+    service_rates_of,
+)
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
 from xds_server.telemetry.sources import page_parser
@@ -235,10 +240,8 @@ class Trimtab:
     def _derived(self, weights: PoolWeights) -> tuple[Derived, ...]:
         """The pool's automatic prompt-size classes, derived as the controller does."""
         capacities = {a: s.signals.get("kv_capacity_tokens") for a, s in self.samples.items()}
-        rates = {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
-                 for a, ew in weights.endpoints.items()}
-        self.classes = derive_classes(self.pool.name, capacities, rates, self.interval,
-                                      self.classes)
+        self.classes = derive_classes(self.pool.name, capacities, service_rates_of(weights),
+                                      self.interval, self.classes)
         return tuple(Derived(c.cluster, c.min_prompt_bytes // BYTES_PER_TOKEN,
                              None if c.max_prompt_bytes is None
                              else c.max_prompt_bytes // BYTES_PER_TOKEN, c.addresses)

@@ -26,7 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-OVERPROVISIONING = 1.4
+from weight_calculator.localities import OVERPROVISIONING
+
 PANIC_THRESHOLD = 0.5
 HEALTHY, DEGRADED, DRAINING = "HEALTHY", "DEGRADED", "DRAINING"
 

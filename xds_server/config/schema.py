@@ -233,7 +233,6 @@ class QueueingConfig(Model):
     capacity_tiers: bool = True
 
 
-
 class WeightsConfig(Model):
     # reference: issue 11's baseline controller, for benchmarks (weight_calculator/reference.py)
     policy: Literal["gpu_memory", "composite", "queueing", "reference"] = "queueing"

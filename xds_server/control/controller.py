@@ -33,7 +33,12 @@ from xds_server.envoy.build import (
     config_resources,
     route_resources,
 )
-from xds_server.envoy.prompt_classes import AutoClass, capacities_of, derive_classes
+from xds_server.envoy.prompt_classes import (
+    AutoClass,
+    capacities_of,
+    derive_classes,
+    service_rates_of,
+)
 from xds_server.envoy.views import ViewInputs
 from xds_server.telemetry.counters import ServiceHistory
 from xds_server.telemetry.reading import screen_signals
@@ -274,7 +279,7 @@ class Controller:
                     for a, o in self.store.observations(addresses).items()}
             configured = {ep.address: ep.capacity for ep in pool.endpoints}
             classes = derive_classes(pool.name, capacities_of(addresses, configured, read),
-                                     self._service_rates(pool.name),
+                                     service_rates_of(self.weights.get(pool.name)),
                                      self.config.telemetry.interval_seconds,
                                      self.auto.get(pool.name, ()))
             if classes:
@@ -285,15 +290,6 @@ class Controller:
                     for c in cs] for p, cs in auto.items()} or "none")
             self.auto = auto
             self._sync_routes()
-
-    def _service_rates(self, cluster: str) -> dict[str, float | None]:
-        """Each endpoint's service rate (tokens/s) from the queueing weights' breakdown:
-        measured, else its prior; empty under the other policies (no prefill cap)."""
-        weights = self.weights.get(cluster)
-        if weights is None:
-            return {}
-        return {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
-                for a, ew in weights.endpoints.items()}
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""

@@ -37,6 +37,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from weight_calculator.types import PoolWeights
+
 KV_SHARE = 1.0 / 8.0
 TIER_RATIO = 2.0
 BYTES_PER_TOKEN = 4
@@ -133,3 +135,12 @@ def capacities_of(addresses: Sequence[str], configured: Mapping[str, float | Non
                   read: Mapping[str, float | None]) -> dict[str, float | None]:
     """Each endpoint's KV capacity: what its server said last (``read``), else the config."""
     return {a: read.get(a) if read.get(a) is not None else configured.get(a) for a in addresses}
+
+
+def service_rates_of(weights: PoolWeights | None) -> dict[str, float | None]:
+    """Each endpoint's service rate (tokens/s) from the queueing weights' breakdown: measured,
+    else its prior; empty under the other policies (no prefill cap)."""
+    if weights is None:
+        return {}
+    return {a: ew.breakdown.get("service_rate", ew.breakdown.get("service_rate_used"))
+            for a, ew in weights.endpoints.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 
-from weight_calculator.queueing import Reading
+from weight_calculator.service_rate import Reading
 
 MAX_SAMPLES = 64
 
