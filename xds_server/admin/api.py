@@ -23,6 +23,7 @@ from xds_server.control.rollouts.machine import RolloutCommandError
 from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
 from xds_server.security.admin_auth import bearer_middleware
+from xds_server.security.admin_origin import same_origin_middleware
 from xds_server.xds import type_urls
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.server import XdsServicer
@@ -69,7 +70,7 @@ class AdminApi:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
-                                           _errors])
+                                           same_origin_middleware(), _errors])
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", self.metrics)
