@@ -72,7 +72,8 @@ async def _progress(policy: str, counters: Counters, plan: LoadPlan) -> None:
         await asyncio.sleep(PROGRESS_EVERY_S)
         log(f"{policy}: {time.monotonic() - started:.0f}/{plan.total:.0f} s, sent "
             f"{counters.sent}, answered {counters.done}, in flight "
-            f"{counters.sent - counters.done}, errors {counters.errors}")
+            f"{counters.sent - counters.done}, errors {counters.errors}, refused "
+            f"{counters.refused}")
 
 
 async def _measure(stack: PolicyStack, w: Workload, s: BenchSettings) -> LoadRun:

@@ -103,10 +103,10 @@ def window_throughput(records: Iterable[RequestRecord], start: float, end: float
                       ) -> dict[str, float]:
     """Answers per second and output tokens per second produced inside ``[start, end]``, by
     every request of the run (warm-up ones included: their tokens are work done in the
-    window). Failed requests count nothing."""
+    window). Failed and refused requests count nothing."""
     done, tokens = 0, 0.0
     for r in records:
-        if r.error is not None or r.e2e is None:
+        if not r.served or r.e2e is None:
             continue
         done += start <= r.sent_at + r.e2e <= end
         tokens += _tokens_in(r, start, end)
@@ -404,7 +404,7 @@ def read_records(path: Path) -> list[RequestRecord]:
 
 def ttft_values(run: LoadRun, plan: LoadPlan) -> list[float]:
     """TTFTs of the successful measured requests (for the CDF)."""
-    return [r.ttft for r in measured(run, plan) if r.error is None and r.ttft is not None]
+    return [r.ttft for r in measured(run, plan) if r.served and r.ttft is not None]
 
 
 def write_records(run: LoadRun, path: Path) -> None:

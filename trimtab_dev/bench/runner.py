@@ -21,7 +21,13 @@ import aiohttp
 
 from trimtab_dev.bench.samplers import Sampler
 from trimtab_dev.loadgen.runner import LagProbe, RequestRecord, make_session, send_one
-from trimtab_dev.loadgen.workload import Workload, build_schedule, endpoint_path, request_body
+from trimtab_dev.loadgen.workload import (
+    Workload,
+    build_schedule,
+    endpoint_path,
+    request_body,
+    request_headers,
+)
 
 Clock = Callable[[], float]
 
@@ -59,6 +65,7 @@ class Counters:
     sent: int = 0
     done: int = 0
     errors: int = 0
+    refused: int = 0
 
 
 async def _send_all(session: aiohttp.ClientSession, w: Workload, plan: LoadPlan, url: str,
@@ -73,6 +80,7 @@ async def _send_all(session: aiohttp.ClientSession, w: Workload, plan: LoadPlan,
             return
         counters.done += 1
         counters.errors += task.result().error is not None
+        counters.refused += task.result().refused
         if on_record is not None:
             on_record(task.result())
 
@@ -80,9 +88,10 @@ async def _send_all(session: aiohttp.ClientSession, w: Workload, plan: LoadPlan,
         delay = p.at - clock()
         if delay > 0:
             await asyncio.sleep(delay)
-        rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at)
+        rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at,
+                            tenant=p.tenant)
         task = asyncio.create_task(send_one(session, target, request_body(p, w), w.stream,
-                                            rec, clock))
+                                            rec, clock, request_headers(p, w)))
         task.add_done_callback(finished)
         tasks[task] = rec
         counters.sent += 1

@@ -127,7 +127,7 @@ def per_class(records: list[RequestRecord]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for cls in sorted({r.cls for r in records}):
         group = [r for r in records if r.cls == cls]
-        ok = [r for r in group if r.error is None]
+        ok = [r for r in group if r.served]
         out[cls] = {"count": len(group), "errors": len(group) - len(ok),
                     "servers": sorted({str(r.server) for r in ok}),
                     "ttft_s": distribution(r.ttft for r in ok),

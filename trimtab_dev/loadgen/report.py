@@ -1,7 +1,9 @@
 """Turn request records into the JSON report: percentiles, throughput, errors, breakdowns.
 
-Latency percentiles are over successful requests only (a failed request has no TTFT); the
-error count and kinds sit next to them so a policy cannot look fast by failing requests.
+Latency percentiles are over served requests only (a failed or refused request has no
+TTFT); the error count and kinds, and the refusals (HTTP 429: count, time to the answer,
+OpenAI shape, Retry-After), sit next to them so a policy cannot look fast by failing or
+refusing requests.
 Percentiles interpolate linearly between order statistics (numpy's default method).
 """
 
@@ -11,6 +13,7 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from trimtab_dev.loadgen.refusals import refusal_summary
 from trimtab_dev.loadgen.runner import RequestRecord, RunResult
 
 QUANTILES = (("p50", 0.50), ("p90", 0.90), ("p99", 0.99))
@@ -53,9 +56,10 @@ def _by(records: list[RequestRecord], key: str) -> dict[str, Any]:
         groups.setdefault(str(getattr(r, key)), []).append(r)
     out = {}
     for name, group in sorted(groups.items()):
-        ok = [r for r in group if r.error is None]
-        out[name] = {"count": len(group), "errors": len(group) - len(ok),
-                     "ttft_s": distribution(r.ttft for r in ok),
+        ok = [r for r in group if r.served]
+        refused = sum(r.refused for r in group)
+        out[name] = {"count": len(group), "errors": len(group) - len(ok) - refused,
+                     "refused": refused, "ttft_s": distribution(r.ttft for r in ok),
                      "e2e_s": distribution(r.e2e for r in ok)}
     return out
 
@@ -63,24 +67,30 @@ def _by(records: list[RequestRecord], key: str) -> dict[str, Any]:
 def summarize(result: RunResult) -> dict[str, Any]:
     """The report for one run (every field always present)."""
     records = result.records
-    ok = [r for r in records if r.error is None]
+    ok = [r for r in records if r.served]
+    refused = [r for r in records if r.refused]
+    failed = len(records) - len(ok) - len(refused)
     per_s = 1.0 / result.wall_s if result.wall_s > 0 else 0.0
     out_tokens = sum(r.output_tokens for r in ok)
     kinds = Counter(r.error for r in records if r.error is not None)
+    tenants = any(r.tenant is not None for r in records)
     return {
         "targets": result.targets,
         "started_unix": result.started_unix,
         "offered_rate": result.offered_rate,
         "duration_s": result.duration_s,
         "wall_s": result.wall_s,
-        "requests": {"sent": len(records), "completed": len(ok),
-                     "errors": len(records) - len(ok)},
-        "errors": {"count": len(records) - len(ok), "by_kind": dict(sorted(kinds.items()))},
+        "requests": {"sent": len(records), "completed": len(ok), "errors": failed,
+                     "refused": len(refused)},
+        "errors": {"count": failed, "by_kind": dict(sorted(kinds.items()))},
+        "refusals": {**refusal_summary(refused),
+                     "latency_s": distribution(r.e2e for r in refused)},
         "throughput": {"req_per_s": len(ok) * per_s, "output_tokens_per_s": out_tokens * per_s,
                        "sent_per_s": len(records) / result.duration_s},
         **_latencies(ok),
         "per_class": _by(records, "cls"),
         "per_server": _by(records, "server"),
+        **({"per_tenant": _by(records, "tenant")} if tenants else {}),
         **result.extra,
     }
 

@@ -12,17 +12,19 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 
 import aiohttp
 
+from trimtab_dev.loadgen.refusals import REFUSAL_STATUS, read_error_answer
 from trimtab_dev.loadgen.workload import (
     PlannedRequest,
     Workload,
     build_schedule,
     endpoint_path,
     request_body,
+    request_headers,
     request_streams,
 )
 
@@ -31,7 +33,9 @@ SERVER_HEADER = "x-sim-server"
 
 @dataclass
 class RequestRecord:
-    """What happened to one request. Times are seconds; ``error`` is None on success."""
+    """What happened to one request. Times are seconds; ``error`` is None on success and on
+    a refusal (HTTP 429: ``refused``, ``e2e`` is the time to the answer). ``openai_error``
+    and the ``retry_after`` fields describe any non-200 answer (None otherwise)."""
 
     index: int
     cls: str
@@ -46,6 +50,18 @@ class RequestRecord:
     e2e: float | None = None
     output_tokens: int = 0
     server: str | None = None
+    tenant: str | None = None
+    refused: bool = False
+    openai_error: bool | None = None
+    error_type: str | None = None
+    error_code: str | None = None
+    retry_after: str | None = None
+    retry_after_s: float | None = None
+
+    @property
+    def served(self) -> bool:
+        """Answered in full: neither failed nor refused."""
+        return self.error is None and not self.refused
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -59,6 +75,7 @@ class Progress:
     sent: int = 0
     done: int = 0
     errors: int = 0
+    refused: int = 0
 
     @property
     def in_flight(self) -> int:
@@ -201,18 +218,33 @@ def _classify(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def note_error_answer(rec: RequestRecord, status: int, body: bytes,
+                      headers: Mapping[str, str]) -> None:
+    """A non-200 answer: a refusal for 429, else error ``http_<status>``; either way its
+    OpenAI shape and Retry-After (:mod:`.refusals`)."""
+    answer = read_error_answer(body, headers)
+    rec.openai_error, rec.error_type, rec.error_code = (answer.openai_shaped, answer.error_type,
+                                                        answer.error_code)
+    rec.retry_after, rec.retry_after_s = answer.retry_after, answer.retry_after_s
+    if status == REFUSAL_STATUS:
+        rec.refused = True
+    else:
+        rec.error = f"http_{status}"
+
+
 async def send_one(session: aiohttp.ClientSession, url: str, body: bytes, stream: bool,
-                   rec: RequestRecord, clock: Callable[[], float]) -> RequestRecord:
-    """Send one request and fill in ``rec``; never raises (errors land in ``rec.error``)."""
+                   rec: RequestRecord, clock: Callable[[], float],
+                   headers: Mapping[str, str] | None = None) -> RequestRecord:
+    """Send one request and fill in ``rec``; never raises (errors land in ``rec.error``,
+    refusals in ``rec.refused``)."""
     sent = rec.sent_at = clock()
     try:
         async with session.post(url, data=body,
-                                headers={"Content-Type": "application/json"}) as resp:
+                                headers=headers or {"Content-Type": "application/json"}) as resp:
             rec.status = resp.status
             rec.server = resp.headers.get(SERVER_HEADER)
             if resp.status != 200:
-                await resp.read()
-                rec.error = f"http_{resp.status}"
+                note_error_answer(rec, resp.status, await resp.read(), resp.headers)
                 rec.e2e = clock() - sent
             elif stream:
                 await _read_stream(resp, rec, sent, clock)
@@ -279,13 +311,16 @@ class _Dispatcher:
         self.records.append(rec)
         self.progress.done += 1
         self.progress.errors += rec.error is not None
+        self.progress.refused += rec.refused
         self._notify()
 
     def send(self, p: PlannedRequest, url: str, clock: Callable[[], float]) -> None:
-        rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at)
+        rec = RequestRecord(p.index, p.cls, p.prompt_tokens, p.max_tokens, scheduled_at=p.at,
+                            tenant=p.tenant)
         body = request_body(p, self.w)
         task = asyncio.create_task(send_one(self.session, url, body,
-                                            request_streams(p, self.w), rec, clock))
+                                            request_streams(p, self.w), rec, clock,
+                                            request_headers(p, self.w)))
         self.pending.add(task)
         task.add_done_callback(self._finished)
         self.progress.sent += 1

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -81,19 +81,54 @@ class ModelChoice(_Strict):
 
 
 class Arrival(_Strict):
-    """Poisson at ``rate``, or on/off modulated Poisson with the same mean rate: ``on_s``
-    seconds at ``burst_factor`` x rate, then ``off_s`` seconds at whatever rate keeps the
-    mean (0 when burst_factor = (on_s + off_s) / on_s)."""
+    """Poisson at ``rate``; on/off modulated Poisson with the same mean rate (``bursty``:
+    ``on_s`` seconds at ``burst_factor`` x rate, then ``off_s`` seconds at whatever rate
+    keeps the mean, 0 when burst_factor = (on_s + off_s) / on_s); or a ``surge``: Poisson at
+    ``rate``, then ``factor`` x rate for ``surge_s`` seconds from ``start_s`` (seconds after
+    the schedule's first instant), then ``rate`` again (``rate`` is the steady rate, not the
+    mean)."""
 
-    kind: Literal["poisson", "bursty"] = "poisson"
+    kind: Literal["poisson", "bursty", "surge"] = "poisson"
     on_s: float = Field(5.0, gt=0)
     off_s: float = Field(5.0, gt=0)
     burst_factor: float = Field(2.0, ge=1)
+    start_s: float = Field(60.0, ge=0, description="surge: when it starts")
+    surge_s: float = Field(15.0, gt=0, description="surge: how long it lasts")
+    factor: float = Field(8.0, ge=1, description="surge: its rate over the steady rate")
 
     @model_validator(mode="after")
     def _check(self) -> Arrival:
         if self.on_s * self.burst_factor > self.on_s + self.off_s + 1e-9:
             raise ValueError("burst_factor too high: the off-period rate would be negative")
+        return self
+
+
+class Flood(_Strict):
+    """One tenant sending ``factor`` x its share: the other tenants' requests are the same
+    as without the flood; the flooding tenant's extra ``factor - 1`` shares arrive on top,
+    over the whole run or only during the surge (``during: surge``)."""
+
+    tenant: str = Field(min_length=1)
+    factor: float = Field(5.0, ge=1)
+    during: Literal["run", "surge"] = "run"
+
+
+class Tenants(_Strict):
+    """``count`` tenants named ``t0`` .. ``t<count-1>``, each request drawn uniformly among
+    them (a random stream of its own), sent in the ``header`` request header."""
+
+    header: str = Field("x-tenant", min_length=1, pattern=r"^[A-Za-z0-9-]+$")
+    count: int = Field(4, ge=1, le=1000)
+    flood: Flood | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return [f"t{i}" for i in range(self.count)]
+
+    @model_validator(mode="after")
+    def _check(self) -> Tenants:
+        if self.flood is not None and self.flood.tenant not in self.names:
+            raise ValueError(f"flood.tenant must be one of t0..t{self.count - 1}")
         return self
 
 
@@ -118,6 +153,16 @@ class Workload(_Strict):
     timeout_s: float = Field(300.0, gt=0)
     max_connections: int = Field(4096, ge=1)
     sweep: Sweep | None = None
+    tenants: Tenants | None = None
+    ttft_slo_s: float | None = Field(None, gt=0, description="the TTFT SLO a judge uses "
+                                                             "(trimtab bench's surge report)")
+
+    @model_validator(mode="after")
+    def _check(self) -> Workload:
+        flood = self.tenants.flood if self.tenants else None
+        if flood is not None and flood.during == "surge" and self.arrival.kind != "surge":
+            raise ValueError("tenants.flood.during: surge needs arrival.kind: surge")
+        return self
 
 
 def parse_workload(data: Any) -> Workload:
@@ -144,25 +189,47 @@ class PlannedRequest:
     model: str
     prompt_tokens: int
     max_tokens: int
+    tenant: str | None = None
+
+
+def surge_window(arrival: Arrival) -> tuple[float, float] | None:
+    """``(start, end)`` of the surge in schedule seconds, or None for other kinds."""
+    if arrival.kind != "surge":
+        return None
+    return arrival.start_s, arrival.start_s + arrival.surge_s
+
+
+def rate_segments(arrival: Arrival, rate: float, duration: float) -> list[tuple[float, float]]:
+    """The arrival process as consecutive ``(length, rate)`` segments covering
+    ``[0, duration)``."""
+    if arrival.kind == "poisson":
+        return [(duration, rate)]
+    if arrival.kind == "surge":
+        return _surge_segments(arrival, rate, duration)
+    hi = rate * arrival.burst_factor
+    lo = max(0.0, rate * (arrival.on_s + arrival.off_s - arrival.on_s
+                          * arrival.burst_factor) / arrival.off_s)
+    segments = []
+    t, on = 0.0, True
+    while t < duration:
+        length = arrival.on_s if on else arrival.off_s
+        segments.append((min(length, duration - t), hi if on else lo))
+        t += length
+        on = not on
+    return segments
+
+
+def _surge_segments(arrival: Arrival, rate: float, duration: float
+                    ) -> list[tuple[float, float]]:
+    start, end = (min(t, duration) for t in (arrival.start_s, arrival.start_s + arrival.surge_s))
+    parts = [(start, rate), (end - start, rate * arrival.factor), (duration - end, rate)]
+    return [(length, r) for length, r in parts if length > 0]
 
 
 def arrival_times(arrival: Arrival, rate: float, duration: float,
                   rng: random.Random) -> list[float]:
     """Open-loop arrival instants in ``[0, duration)``."""
-    if arrival.kind == "poisson":
-        segments = [(duration, rate)]
-    else:
-        hi = rate * arrival.burst_factor
-        lo = max(0.0, rate * (arrival.on_s + arrival.off_s - arrival.on_s
-                              * arrival.burst_factor) / arrival.off_s)
-        segments = []
-        t, on = 0.0, True
-        while t < duration:
-            length = arrival.on_s if on else arrival.off_s
-            segments.append((min(length, duration - t), hi if on else lo))
-            t += length
-            on = not on
-    return _piecewise_poisson(segments, rng)
+    return _piecewise_poisson(rate_segments(arrival, rate, duration), rng)
 
 
 def _piecewise_poisson(segments: list[tuple[float, float]], rng: random.Random) -> list[float]:
@@ -195,16 +262,59 @@ def sample_request(w: Workload, rng: random.Random) -> tuple[str, str, int, int]
 
 def build_schedule(w: Workload, *, rate: float | None = None, duration: float | None = None,
                    seed: int | None = None) -> list[PlannedRequest]:
-    """The run's requests in send order; same inputs, same schedule."""
+    """The run's requests in send order; same inputs, same schedule. Tenants (and a flood's
+    extra requests) come from random streams of their own, so the requests of a workload
+    without tenants are the same with them."""
     seed = w.seed if seed is None else seed
-    times = arrival_times(w.arrival, rate or w.rate, duration or w.duration_s,
-                          random.Random(f"{seed}/arrivals/{rate or w.rate}"))
+    rate, duration = rate or w.rate, duration or w.duration_s
+    times = arrival_times(w.arrival, rate, duration, random.Random(f"{seed}/arrivals/{rate}"))
     attrs = random.Random(f"{seed}/requests")
-    out = []
-    for i, t in enumerate(times):
-        cls, model, prompt, max_tokens = sample_request(w, attrs)
-        out.append(PlannedRequest(i, t, cls, model, prompt, max_tokens))
+    out = [PlannedRequest(i, t, *sample_request(w, attrs)) for i, t in enumerate(times)]
+    if w.tenants is None:
+        return out
+    return _with_tenants(out, w, w.tenants, rate, duration, seed)
+
+
+def _with_tenants(base: list[PlannedRequest], w: Workload, tenants: Tenants, rate: float,
+                  duration: float, seed: int) -> list[PlannedRequest]:
+    """Each request's tenant, plus the flooding tenant's extra requests, re-indexed in time
+    order."""
+    pick = random.Random(f"{seed}/tenants")
+    tagged = [replace(p, tenant=pick.choice(tenants.names)) for p in base]
+    flood = tenants.flood
+    if flood is None or flood.factor == 1:
+        return tagged
+    share = rate * (flood.factor - 1) / tenants.count
+    times = _piecewise_poisson(_flood_segments(w.arrival, flood, share, duration),
+                               random.Random(f"{seed}/flood/{rate}"))
+    attrs = random.Random(f"{seed}/flood-requests")
+    extra = [PlannedRequest(0, t, *sample_request(w, attrs), tenant=flood.tenant)
+             for t in times]
+    merged = sorted(tagged + extra, key=lambda p: p.at)
+    return [replace(p, index=i) for i, p in enumerate(merged)]
+
+
+def _flood_segments(arrival: Arrival, flood: Flood, share_rate: float, duration: float
+                    ) -> list[tuple[float, float]]:
+    """The flood's extra intensity: ``share_rate`` shaped like the arrival process, and 0
+    outside the surge when ``during: surge``."""
+    segments = rate_segments(arrival, share_rate, duration)
+    window = surge_window(arrival)
+    if flood.during == "run" or window is None:
+        return segments
+    out, t = [], 0.0
+    for length, r in segments:
+        out.append((length, r if window[0] <= t < window[1] else 0.0))
+        t += length
     return out
+
+
+def request_headers(p: PlannedRequest, w: Workload) -> dict[str, str]:
+    """The request's headers: JSON, and its tenant when the workload has tenants."""
+    headers = {"Content-Type": "application/json"}
+    if p.tenant is not None and w.tenants is not None:
+        headers[w.tenants.header] = p.tenant
+    return headers
 
 
 def request_samples(w: Workload, n: int, seed: int | None = None) -> list[tuple[int, int]]:
