@@ -589,7 +589,7 @@ def test_deployed_admin_api_closes_mutations_without_the_token_and_serves_scrape
                     "post": (await client.post(pause)).status,
                     "post wrong": (await client.post(pause, headers={
                         "Authorization": "Bearer nope"})).status,
-                    "post token": (await client.post(pause, headers={
+                    "post token": (await client.post(pause, json={}, headers={
                         "Authorization": "Bearer t0ken"})).status,
                     "metrics": (await client.get("/metrics")).status,
                     "healthz": (await client.get("/healthz")).status,

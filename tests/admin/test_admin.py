@@ -163,6 +163,7 @@ def _request(method: str, path: bytes, *headers: bytes) -> bytes:
 
 
 TOKEN = b"s3cret-token"
+JSON_TYPE = b"Content-Type: application/json"  # what a state-changing request needs
 NON_ASCII_AUTH = [b"Authorization: Bearer s3cr\xe9t-token", b"Authorization: Bearer \xff\xfe",
                   b"Authorization: Bearer " + TOKEN + b"\xc3\xa9", b"Authorization: B\xe9arer x",
                   b"Authorization: \xe9"]
@@ -209,8 +210,8 @@ def test_other_hostile_bytes_get_a_4xx_and_no_traceback(caplog):
 
     auth = b"Authorization: Bearer " + TOKEN
     cases = [
-        (_request("POST", b"/v1/rollouts/%ff%fe/pause", auth), {404}),
-        (_request("POST", b"/v1/rollouts/p/%ff", auth), {400, 404, 409}),
+        (_request("POST", b"/v1/rollouts/%ff%fe/pause", auth, JSON_TYPE), {404}),
+        (_request("POST", b"/v1/rollouts/p/%ff", auth, JSON_TYPE), {400, 404, 409}),
         (_request("GET", b"/v1/history?since=%ff%fe", auth), {400}),
         (_request("GET", b"/static/%ff.js", auth), {404}),
         (_request("GET", b"/v1/weights", auth, b"X-\xe9: 1"), {400}),

@@ -247,7 +247,7 @@ def test_a_rollout_command_that_cannot_be_saved_changes_nothing(tmp_path) -> Non
     async def command() -> tuple[int, dict]:
         api = AdminApi(controller, lambda: True)
         async with TestClient(TestServer(api.app())) as client:
-            resp = await client.post("/v1/rollouts/p/promote")
+            resp = await client.post("/v1/rollouts/p/promote", json={})
             return resp.status, await resp.json()
 
     status, body = asyncio.run(command())

@@ -220,7 +220,7 @@ def test_admin_refuses_a_follower_command_with_409_naming_the_leader(kube: FakeK
     async def call() -> tuple[int, dict[str, Any], dict[str, Any]]:
         from aiohttp.test_utils import TestClient, TestServer
         async with TestClient(TestServer(api.app())) as client:
-            posted = await client.post("/v1/rollouts/p/pause")
+            posted = await client.post("/v1/rollouts/p/pause", json={})
             listed = await client.get("/v1/rollouts")
             return posted.status, await posted.json(), await listed.json()
 
