@@ -3,14 +3,21 @@ its config keys (exit 2 naming the key). End to end: tests/integration/test_clas
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 import yaml
 from envoy.extensions.filters.http.ext_proc.v3 import ext_proc_pb2 as ext_proc_config
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 
+from trimtab_dev.envoy_process import free_port
 from xds_server.classify import RulesClassifier, decide, last_user_text, main, tier_response
 from xds_server.cli import EXIT_BAD_INPUT
 from xds_server.cli import main as trimtab
@@ -174,3 +181,152 @@ def test_settle_heap_puts_what_exists_out_of_the_collectors_reach() -> None:
         assert len(gc.get_objects(generation=2)) < frozen  # a full collection skips them
     finally:
         gc.unfreeze()
+
+
+# -- the time budget and the stream bounds ------------------------------------------------------
+
+BACKTRACKING = [{"tier": "logs", "patterns": [".*error.*traceback"]}]
+
+
+def _body(text: str) -> bytes:
+    return json.dumps({"messages": [{"role": "user", "content": text}]}).encode()
+
+
+def _unreadable(reason: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("trimtab_classifier_unreadable_total",
+                                     {"reason": reason}) or 0.0
+
+
+def test_a_backtracking_rule_stops_at_the_budget_and_takes_the_default_tier() -> None:
+    from xds_server.classify import budget_seconds, decide_in_time
+
+    limits = ClassifierConfig.model_validate({"rules": BACKTRACKING, "message_timeout_ms": 50})
+    rules = RulesClassifier(limits.rules)
+    before = _unreadable("over_budget")
+    started = time.perf_counter()
+    tier = decide_in_time(rules, _body("error " * 1366), limits)  # 8 kB: minutes unbounded
+    took = time.perf_counter() - started
+    assert tier is None and _unreadable("over_budget") == before + 1
+    assert budget_seconds(limits) == 0.025
+    assert took < 0.25, f"the decision took {took:.2f} s, budget 0.025 s"
+    assert decide_in_time(rules, _body("an error, then a traceback"), limits) == "logs"
+
+
+class _Swallower:
+    """A learned classifier that catches every Exception (and spins)."""
+
+    def classify(self, text: str) -> str | None:
+        try:
+            while True:
+                pass
+        except Exception:  # noqa: BLE001 - the point: OverBudget is not an Exception
+            return "swallowed"
+
+
+def test_a_learned_classifier_cannot_swallow_the_budget() -> None:
+    from xds_server.classify import ChainedClassifier, decide_in_time
+
+    limits = _limits(message_timeout_ms=20)
+    chained = ChainedClassifier(RulesClassifier(limits.rules), _Swallower())
+    assert decide_in_time(chained, _body("hello there"), limits) is None
+
+
+def test_the_budget_puts_back_the_alarm_it_borrowed() -> None:
+    from xds_server.classify_budget import OverBudget, run_within
+
+    fired: list[int] = []
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: fired.append(signum))
+    previous_timer = signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        assert run_within(0.01, lambda: 7) == 7
+        with pytest.raises(OverBudget):
+            run_within(0.01, lambda: time.sleep(1))
+        time.sleep(0.5)
+        assert fired == [signal.SIGALRM]  # the earlier timer still fired, to its own handler
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        signal.setitimer(signal.ITIMER_REAL, *previous_timer)
+
+
+def _ask(port: int, *requests: ext_proc.ProcessingRequest) -> tuple[str | None, float]:
+    """The tier an ext_proc stream of `requests` gets, and how long it took (blocking)."""
+    started = time.perf_counter()
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = ext_proc_grpc.ExternalProcessorStub(channel)
+        answers = list(stub.Process(iter(requests), timeout=5))
+    headers = answers[-1].request_body.response.header_mutation.set_headers
+    return (headers[0].header.raw_value.decode() if headers else None,
+            time.perf_counter() - started)
+
+
+def _body_request(text: str) -> ext_proc.ProcessingRequest:
+    return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=_body(text),
+                                                                     end_of_stream=True))
+
+
+async def _serving(limits: ClassifierConfig) -> tuple[grpc.aio.Server, int]:
+    from xds_server.classify import ExtProcService, build_classifier, build_server
+
+    server, port = build_server(ExtProcService(build_classifier(limits), limits),
+                                f"127.0.0.1:{free_port()}")
+    await server.start()
+    return server, port
+
+
+def test_an_adversarial_prompt_does_not_hold_other_requests_past_the_budget() -> None:
+    limits = ClassifierConfig.model_validate({"rules": [*BACKTRACKING, *RULES],
+                                              "message_timeout_ms": 50})
+
+    async def scenario() -> list[tuple[str | None, float]]:
+        server, port = await _serving(limits)
+        try:
+            await asyncio.to_thread(_ask, port, _body_request("python"))  # connected, warm
+            slow = asyncio.create_task(asyncio.to_thread(
+                _ask, port, _body_request("error " * 1366)))
+            await asyncio.sleep(0.005)
+            others = [await asyncio.to_thread(_ask, port, _body_request("python"))
+                      for _ in range(5)]
+            return [await slow, *others]
+        finally:
+            await server.stop(None)
+
+    adversarial, *others = asyncio.run(scenario())
+    assert adversarial[0] is None and adversarial[1] < 1.0
+    assert [tier for tier, _ in others] == ["code"] * 5
+    worst = max(took for _, took in others)
+    assert worst < 0.5, f"another request waited {worst:.2f} s behind the adversarial one"
+
+
+def _stream_error(port: int, *requests: ext_proc.ProcessingRequest) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as caught:
+        _ask(port, *requests)
+    return caught.value
+
+
+def test_oversized_headers_and_overlong_streams_are_refused_naming_the_bound() -> None:
+    from xds_server.classify import MAX_HEADERS_BYTES, MAX_MESSAGES_PER_STREAM
+
+    big = ext_proc.ProcessingRequest(request_headers=ext_proc.HttpHeaders())
+    header = big.request_headers.headers.headers.add()
+    header.key, header.raw_value = "x-big", b"a" * (MAX_HEADERS_BYTES + 1)
+    small = ext_proc.ProcessingRequest(request_headers=ext_proc.HttpHeaders())
+
+    async def scenario() -> tuple[grpc.RpcError, grpc.RpcError, tuple[str | None, float]]:
+        server, port = await _serving(_limits())
+        try:
+            return (await asyncio.to_thread(_stream_error, port, big),
+                    await asyncio.to_thread(_stream_error, port,
+                                            *[small] * (MAX_MESSAGES_PER_STREAM + 1)),
+                    await asyncio.to_thread(_ask, port, small, _body_request("python")))
+        finally:
+            await server.stop(None)
+
+    headers, long_stream, fine = asyncio.run(scenario())
+    assert headers.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert headers.details().startswith("request_headers: ")
+    assert f"over the classifier's limit of {MAX_HEADERS_BYTES}" in headers.details()
+    assert long_stream.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert f"more than {MAX_MESSAGES_PER_STREAM} messages" in long_stream.details()
+    assert fine[0] == "code"

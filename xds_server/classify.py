@@ -13,8 +13,14 @@ classifier plugs in through `Classifier`: any object with ``classify(text) -> ti
 made by the factory ``classifier.learned: module:factory`` names and asked when no rule
 matches (`build_classifier`).
 
-Bounded: bodies over ``classifier.max_body_bytes`` are not parsed, at most
-``classifier.max_text_chars`` of the message are looked at.
+Bounded (docs/security.md, "Intent classifier and KEDA scaler"): one gRPC message at most
+`MAX_MESSAGE_BYTES`, the call's metadata `MAX_METADATA_BYTES`, a ``request_headers`` message
+`MAX_HEADERS_BYTES` and a stream `MAX_MESSAGES_PER_STREAM` messages (over: the stream is
+refused with INVALID_ARGUMENT naming the bound, and Envoy fails open); bodies over
+``classifier.max_body_bytes`` are not parsed, at most ``classifier.max_text_chars`` of the
+message are looked at, and each decision has half of ``classifier.message_timeout_ms`` (the
+time Envoy waits for it): past that it stops and the request takes the default tier
+(`decide_in_time`). The port is never shared (``grpc.so_reuseport`` 0).
 
 Exit status: 0 after SIGINT/SIGTERM, 1 when the address cannot be bound, 2 on a bad config
 (a `classifier.learned` that cannot be loaded included).
@@ -42,6 +48,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from prometheus_client import Counter, Histogram, start_http_server
 
+from xds_server.classify_budget import OverBudget, run_within
 from xds_server.config.addresses import parse_host_port
 from xds_server.config.load import ConfigError, load_config
 from xds_server.config.schema import ClassifierConfig, ClassifierRuleConfig
@@ -57,10 +64,18 @@ DECISIONS = Counter("trimtab_classifier_decisions_total",
 UNREADABLE = Counter("trimtab_classifier_unreadable_total",
                      "Bodies the classifier could not read (they take the default tier)",
                      ["reason"])
+REFUSED = Counter("trimtab_classifier_refused_total",
+                  "ext_proc streams the classifier refused for exceeding a bound", ["bound"])
 DECISION_SECONDS = Histogram("trimtab_classifier_decision_seconds",
                              "Time to parse a body and classify it",
                              buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
                                       0.025, 0.05))
+
+
+MAX_MESSAGE_BYTES = 9 * 1024 * 1024  # the largest classifier.max_body_bytes (8 MiB) + slack
+MAX_METADATA_BYTES = 16 * 1024      # the gRPC call's own headers (Envoy sends a few hundred)
+MAX_HEADERS_BYTES = 128 * 1024      # a request_headers message (Envoy's default limit: 60 KiB)
+MAX_MESSAGES_PER_STREAM = 8         # Envoy sends a request's headers, then its buffered body
 
 
 class Classifier(Protocol):
@@ -186,6 +201,33 @@ def decide(classifier: Classifier, raw: bytes, limits: ClassifierConfig) -> str 
     return classifier.classify(text[:limits.max_text_chars])
 
 
+def budget_seconds(limits: ClassifierConfig) -> float:
+    """Each decision's time: half of what Envoy waits for the answer (its other half is left
+    to the requests queued behind it)."""
+    return limits.message_timeout_ms / 2000
+
+
+_warned_over_budget = False
+
+
+def decide_in_time(classifier: Classifier, raw: bytes, limits: ClassifierConfig) -> str | None:
+    """`decide`, stopped at `budget_seconds` (in the main thread): over it, None (the default
+    tier), counted as ``over_budget`` and logged the first time."""
+    global _warned_over_budget
+    try:
+        return run_within(budget_seconds(limits), lambda: decide(classifier, raw, limits))
+    except OverBudget:
+        UNREADABLE.labels("over_budget").inc()
+        if not _warned_over_budget:
+            _warned_over_budget = True
+            log.warning("a decision ran past its budget of %.0f ms (half of classifier."
+                        "message_timeout_ms) and took the default tier: a classifier.rules "
+                        "pattern that backtracks, or a slow classifier.learned; counted in "
+                        "trimtab_classifier_unreadable_total{reason=\"over_budget\"}, logged "
+                        "once", budget_seconds(limits) * 1000)
+        return None
+
+
 def tier_response(tier: str | None) -> ext_proc.ProcessingResponse:
     response = ext_proc.ProcessingResponse()
     response.request_body.SetInParent()  # an answer to the body even when it says nothing
@@ -213,6 +255,21 @@ _EMPTY = {
 }
 
 
+def over_bound(request: ext_proc.ProcessingRequest, kind: str | None,
+               count: int) -> tuple[str, str] | None:
+    """(bound, message) when the `count`-th message of a stream exceeds a bound, else None."""
+    if count > MAX_MESSAGES_PER_STREAM:
+        return ("messages", f"more than {MAX_MESSAGES_PER_STREAM} messages on one ext_proc "
+                            f"stream (the classifier takes a request's headers and its "
+                            f"buffered body)")
+    if kind == "request_headers":
+        size = request.request_headers.ByteSize()
+        if size > MAX_HEADERS_BYTES:
+            return ("request_headers", f"request_headers: {size} bytes, over the "
+                                       f"classifier's limit of {MAX_HEADERS_BYTES}")
+    return None
+
+
 class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
     """One gRPC stream per HTTP request: every message gets its answer."""
 
@@ -225,12 +282,18 @@ class ExtProcService(ext_proc_grpc.ExternalProcessorServicer):
 
     async def Process(self, request_iterator: AsyncIterator[ext_proc.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ext_proc.ProcessingResponse]:
+        count = 0
         async for request in request_iterator:
+            count += 1
             kind = request.WhichOneof("request")
+            problem = over_bound(request, kind, count)
+            if problem is not None:
+                REFUSED.labels(problem[0]).inc()
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem[1])
             if kind == "request_body":
                 started = time.perf_counter()
                 classifier, limits = self.rules
-                tier = decide(classifier, request.request_body.body, limits)
+                tier = decide_in_time(classifier, request.request_body.body, limits)
                 DECISION_SECONDS.observe(time.perf_counter() - started)
                 DECISIONS.labels(tier or DEFAULT_TIER).inc()
                 yield tier_response(tier)
@@ -250,7 +313,9 @@ def build_server(service: ExtProcService, address: str) -> tuple[grpc.aio.Server
     """The classifier's gRPC server bound to `address` (not started) and its port. Raises
     OSError or RuntimeError (grpcio) when the address cannot be bound."""
     server = grpc.aio.server(options=[
-        ("grpc.max_receive_message_length", 9 * 1024 * 1024),  # Envoy's buffer limit + slack
+        ("grpc.so_reuseport", 0),  # it sees every prompt: no other process may share the port
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_metadata_size", MAX_METADATA_BYTES),
         ("grpc.max_concurrent_streams", 10_000)])
     ext_proc_grpc.add_ExternalProcessorServicer_to_server(service, server)
     port = server.add_insecure_port(str(parse_host_port(address)))
