@@ -564,3 +564,68 @@ def test_sighup_refuses_a_broken_file_then_applies_a_new_interval(tmp_path: Path
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
         log.close()
+
+
+# --- issue 26 §6: one port per listener; a FIFO in the config's place --------------------------
+
+
+def test_validate_refuses_xds_admin_and_keda_on_one_port(tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    """serve would bind the first and exit 2 on the second; validate says so first."""
+    shared = "xds: {address: '0.0.0.0:18000'}\nadmin: {address: '127.0.0.1:18000'}\n" \
+             "keda: {address: '127.0.0.1:18000'}\n"
+    code, stderr = _validate(tmp_path, capsys, shared + POOL)
+    assert code == EXIT_BAD_INPUT
+    assert _problem_lines(stderr) == [
+        "admin.address: 127.0.0.1:18000 and xds.address (0.0.0.0:18000) both listen on port "
+        "18000; give each listener its own port",
+        "keda.address: 127.0.0.1:18000 and xds.address (0.0.0.0:18000) both listen on port "
+        "18000; give each listener its own port",
+        "keda.address: 127.0.0.1:18000 and admin.address (127.0.0.1:18000) both listen on port "
+        "18000; give each listener its own port"]
+
+
+def _reload_config(interval: float) -> dict:
+    return {"telemetry": {"interval_seconds": interval, "source": "static"},
+            "pools": [{"name": "p", "model": "m", "endpoints": [
+                {"address": "127.0.0.1:8001", "signals": {"gpu_mem_pct": 10}}]}]}
+
+
+def test_reload_refuses_a_fifo_at_once_and_keeps_the_old_config(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A FIFO in the config's place blocked the whole loop until someone wrote it."""
+    import asyncio
+    import os
+    import threading
+
+    from xds_server.app import Trimtab
+    from xds_server.config.load import parse_config
+
+    path = tmp_path / "trimtab.yaml"
+    trimtab = Trimtab(parse_config(_reload_config(2.0)), path)
+    os.mkfifo(path)
+    outcome: list[bool] = []
+    thread = threading.Thread(target=lambda: outcome.append(asyncio.run(trimtab.reload())),
+                              daemon=True)
+    try:
+        with caplog.at_level(logging.ERROR, logger="trimtab"):
+            thread.start()
+            thread.join(3.0)
+            blocked = thread.is_alive()
+    finally:  # old code blocks in open(): give it a writer with the same config, then EOF
+        if thread.is_alive():
+            with open(path, "w") as writer:
+                writer.write(yaml.safe_dump(_reload_config(2.0)))
+            thread.join(10.0)
+    assert not blocked, "reload blocked on a FIFO"
+    assert outcome == [False]
+    refused = [r.getMessage() for r in caplog.records if "reload refused" in r.getMessage()]
+    assert refused == [f"reload refused: {path}: is a FIFO (named pipe); a config must be a "
+                       f"regular file, refused without reading it; keeping the last good "
+                       f"config"], refused
+    assert trimtab.config.telemetry.interval_seconds == 2.0
+    os.unlink(path)
+    path.write_text(yaml.safe_dump(_reload_config(1.0)))
+    assert asyncio.run(trimtab.reload()) is True  # a regular file again: applied
+    assert trimtab.config.telemetry.interval_seconds == 1.0

@@ -15,7 +15,7 @@ from xds_server.admin.api import AdminApi, start_admin
 from xds_server.admin.documents import weights_document
 from xds_server.admin.history import WeightHistory, history_point
 from xds_server.classify_server import EmbeddedClassifier
-from xds_server.config.load import ConfigError, load_config
+from xds_server.config.load import ConfigError, load_config_off_loop
 from xds_server.config.schema import Config
 from xds_server.control.controller import Controller
 from xds_server.control.coordination import kubernetes_rollouts, warn_deprecated_drive
@@ -29,6 +29,7 @@ from xds_server.security.authz import NodeAuthorizer
 from xds_server.security.guard import XdsGuard
 from xds_server.security.limits import RateLimiter, server_options
 from xds_server.security.tls import server_credentials
+from xds_server.xds import type_urls
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.health import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
 from xds_server.xds.nacks import NackLog
@@ -113,6 +114,8 @@ class Trimtab:
         self.servicer = XdsServicer(self.cache, observers=[self.nacks], guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))
+        # every Envoy receiving the admission layer holds an even part of each budget
+        self.controller.envoys = lambda pool: self.servicer.subscribers(type_urls.RUNTIME)
         self._grpc: grpc.aio.Server | None = None
         self.xds_port: int | None = None
         self.scaler_port: int | None = None
@@ -179,11 +182,13 @@ class Trimtab:
     async def reload(self) -> bool:
         """Re-read the config file and apply every key, or refuse the whole reload (logged
         as ``reload refused: ...``, one line per problem) and keep the last good config: a
-        bad file, or a change to a key that only takes effect at start (see RESTART_ONLY)."""
+        bad file, or a change to a key that only takes effect at start (see RESTART_ONLY).
+        The file is read and validated off the loop, bounded in time, and only if it is a
+        regular file (a FIFO is refused without opening it)."""
         if self.config_path is None:
             return False
         try:
-            config = load_config(self.config_path)
+            config = await load_config_off_loop(self.config_path)
         except ConfigError as exc:
             return _refuse(exc.problems)
         except Exception as exc:  # noqa: BLE001 - SIGHUP must never kill or half-apply

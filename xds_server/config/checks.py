@@ -1,5 +1,5 @@
 """Rules that span config sections (each model validates only itself): unique names and
-addresses, pool references (fallbacks, classes, versions, tiers) that exist and do not loop,
+addresses, one socket per listener, endpoint IPs that name one host, pool references (fallbacks, classes, versions, tiers) that exist and do not loop,
 telemetry sources that can feed what a pool needs, node-cluster assignments closed under
 the traffic a pool sends on. Every rule returns (key path, reason) pairs."""
 
@@ -7,7 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from xds_server.config.addresses import is_ip
+from xds_server.config.addresses import (
+    HostPort,
+    is_ip,
+    parse_host_port,
+    same_socket,
+    unroutable_reason,
+)
 from xds_server.config.pools import EndpointConfig, PoolConfig, PromptClassConfig
 from xds_server.config.schema import ANY, Config
 
@@ -18,6 +24,7 @@ def config_problems(config: Config) -> Problems:
     """Every cross-section problem of `config`; empty when it is usable."""
     problems = _name_checks(config) + _fallback_checks(config) + _source_checks(config)
     problems += _rollout_source_checks(config) + _listener_checks(config)
+    problems += _shared_port_checks(config)
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
@@ -57,6 +64,9 @@ def _endpoint_checks(p_index: int, pool: PoolConfig) -> Problems:
         if not is_ip(endpoint.host_port.host):
             problems.append((f"{path}.address", f"expected an IP address (EDS endpoints are "
                                                 f"IPs), got {endpoint.host_port.host!r}"))
+        unroutable = unroutable_reason(endpoint.host_port.host, allow_loopback=True)
+        if unroutable is not None:
+            problems.append((f"{path}.address", f"{address!r}: {unroutable}"))
     return problems
 
 
@@ -157,6 +167,31 @@ def _listener_checks(config: Config) -> Problems:
         return []
     return [("listener.address", f"expected an IP address (Envoy binds a listener to a socket "
                                  f"address, not a hostname), got {host!r}")]
+
+
+def trimtab_listeners(config: Config) -> list[tuple[str, HostPort]]:
+    """Every socket `trimtab serve` listens on, by its config key: xDS, admin, KEDA (when
+    set) and the embedded classifier's (when a pool has intent tiers)."""
+    listeners = [("xds.address", config.xds.host_port), ("admin.address", config.admin.host_port)]
+    if config.keda.address is not None:
+        listeners.append(("keda.address", parse_host_port(config.keda.address)))
+    classifier = config.classifier
+    if classifier is not None and classifier.embedded and any(p.intent_tiers
+                                                              for p in config.pools):
+        listeners.append(("classifier.address", parse_host_port(classifier.address)))
+        if classifier.metrics_address is not None:
+            listeners.append(("classifier.metrics_address",
+                              parse_host_port(classifier.metrics_address)))
+    return listeners
+
+
+def _shared_port_checks(config: Config) -> Problems:
+    """Two of trimtab's listeners on one socket: serve could bind only the first."""
+    listeners = trimtab_listeners(config)
+    return [(key, f"{where} and {other_key} ({other}) both listen on port {where.port}; "
+                  f"give each listener its own port")
+            for index, (key, where) in enumerate(listeners)
+            for other_key, other in listeners[:index] if same_socket(where, other)]
 
 
 def _request_class_checks(config: Config) -> Problems:

@@ -1,10 +1,14 @@
-"""File -> `Config`: the file read within bounds (size, UTF-8, nesting, alias expansion),
-parsed as YAML, validated, and every failure turned into a `ConfigError` naming the key path
-and the reason, e.g. ``pools[1].endpoints[0].address: expected host:port, got 'foo'``.
-The CLI turns a `ConfigError` into exit status 2."""
+"""File -> `Config`: the file read within bounds (a regular file only, size, UTF-8, nesting,
+alias expansion), parsed as YAML, validated, and every failure turned into a `ConfigError`
+naming the key path and the reason, e.g.
+``pools[1].endpoints[0].address: expected host:port, got 'foo'``. The CLI turns a
+`ConfigError` into exit status 2."""
 
 from __future__ import annotations
 
+import asyncio
+import os
+import stat
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -69,14 +73,44 @@ def parse_config(data: Any) -> Config:
 MAX_CONFIG_BYTES = 4 * 1024 * 1024
 MAX_CONFIG_DEPTH = 64  # nested mappings/sequences, aliases expanded
 MAX_CONFIG_NODES = 1_000_000  # YAML nodes once every alias is expanded (alias bombs)
+MAX_CONFIG_LOAD_SECONDS = 30.0  # a reload that has not read and validated the file by then fails
+
+
+# What a path names instead of a regular file, by stat's file type test.
+_NOT_REGULAR = ((stat.S_ISFIFO, "a FIFO (named pipe)"), (stat.S_ISDIR, "a directory"),
+                (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                (stat.S_ISSOCK, "a socket"))
+
+
+def _refuse_unless_regular(path: str | Path, mode: int) -> None:
+    """A FIFO would block the reader until someone writes it, a device may never end: only a
+    regular file is read."""
+    if stat.S_ISREG(mode):
+        return
+    kind = next((name for test, name in _NOT_REGULAR if test(mode)), "not a regular file")
+    raise ConfigError([("", f"{path}: is {kind}; a config must be a regular file, refused "
+                            f"without reading it")])
+
+
+def _cannot_read(path: str | Path, exc: OSError) -> ConfigError:
+    return ConfigError([("", f"cannot read config file {str(path)!r}: {exc.strerror}")])
 
 
 def _read_bytes(path: str | Path) -> bytes:
+    """At most MAX_CONFIG_BYTES + 1 bytes of a regular file. The file type is checked before
+    opening, and again on the open descriptor (opened non-blocking), so a FIFO swapped in
+    between never blocks."""
     try:
-        with open(path, "rb") as handle:
+        _refuse_unless_regular(path, os.stat(path).st_mode)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as exc:
+        raise _cannot_read(path, exc) from None
+    try:
+        with os.fdopen(fd, "rb") as handle:
+            _refuse_unless_regular(path, os.fstat(handle.fileno()).st_mode)
             raw = handle.read(MAX_CONFIG_BYTES + 1)
     except OSError as exc:
-        raise ConfigError([("", f"cannot read config file {str(path)!r}: {exc.strerror}")]) from None
+        raise _cannot_read(path, exc) from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise ConfigError([("", f"{path}: larger than {MAX_CONFIG_BYTES} bytes")])
     return raw
@@ -172,6 +206,19 @@ def load_yaml_text(text: str, path: str | Path = "<config>") -> Any:
 
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML config file. Raises ConfigError naming what is wrong: an
-    unreadable, oversized, non-UTF-8, too deeply nested or alias-bombed file included."""
+    unreadable, non-regular (a FIFO, a device), oversized, non-UTF-8, too deeply nested or
+    alias-bombed file included."""
     text = _decode(path, _read_bytes(path))
     return parse_config(load_yaml_text(text, path))
+
+
+async def load_config_off_loop(path: str | Path,
+                               timeout: float = MAX_CONFIG_LOAD_SECONDS) -> Config:
+    """:func:`load_config` in a worker thread, so the event loop keeps serving while a large
+    file is parsed; one that takes longer than ``timeout`` seconds is refused (the thread is
+    left to finish on its own). Raises ConfigError."""
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(load_config, path), timeout)
+    except TimeoutError:
+        raise ConfigError([("", f"{path}: not read and validated within {timeout:g}s; "
+                                f"refused")]) from None
