@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import aiohttp
 
 from xds_server.telemetry.bounds import DEFAULT_MAX_BODY_BYTES, BodyTooLargeError, read_limited
+from xds_server.telemetry.redirects import is_redirect, redirect_refused
 from xds_server.telemetry.worker import off_loop
 
 DEFAULT_TIMEOUT_SECONDS = 2.0
@@ -64,7 +65,8 @@ class PromQLResult:
 
     ``values`` maps endpoint address -> signal -> value (only addresses with at least one
     value appear); ``errors`` maps each failed signal to ``"<kind>: <detail>"`` (kinds:
-    ``connect``, ``timeout``, ``http``, ``prometheus``, ``format``); ``problems`` lists
+    ``connect``, ``timeout``, ``http``, ``redirect`` (never followed), ``size``,
+    ``prometheus``, ``format``); ``problems`` lists
     series that were skipped (missing label, non-finite value, duplicate address), and
     ``endpoint_problems`` those of them that name an endpoint, by its address.
     """
@@ -225,7 +227,8 @@ class PromQLSource:
     Every answer is bounded like a scraped page: ``timeout_seconds`` for the whole request,
     body included, and ``max_body_bytes`` of decompressed body (reading stops there and the
     query fails with a ``size`` error). JSON decoding and merging run on the telemetry worker
-    thread, never on the event loop.
+    thread, never on the event loop. A redirect is never followed: the query fails with a
+    ``redirect`` error.
     """
 
     def __init__(
@@ -271,7 +274,10 @@ class PromQLSource:
     async def _query(self, session: aiohttp.ClientSession, signal: str) -> Answer:
         """The parsed answer, or an ``"<kind>: <detail>"`` error string."""
         try:
-            async with session.get(self.url, params={"query": self.queries[signal]}) as resp:
+            async with session.get(self.url, params={"query": self.queries[signal]},
+                                   allow_redirects=False) as resp:
+                if is_redirect(resp.status):
+                    return f"redirect: {redirect_refused('Prometheus', resp.status, resp.headers)}"
                 status, reason = resp.status, resp.reason
                 body = await read_limited(resp, self._max_body_bytes)
         except BodyTooLargeError as exc:

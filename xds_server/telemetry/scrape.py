@@ -19,6 +19,7 @@ from xds_server.telemetry.bounds import (
 )
 from xds_server.telemetry.parsers.page import page_signals
 from xds_server.telemetry.reading import HistogramState, SloCounters
+from xds_server.telemetry.redirects import is_redirect, redirect_refused
 from xds_server.telemetry.worker import off_loop
 
 
@@ -57,7 +58,8 @@ class Scraper:
 
     Every page is bounded in time (``timeout_seconds``), bytes (``max_body_bytes``, after
     decompression) and series (``max_series_per_page``, counted before any parsing: a page
-    over it is refused unparsed). Decoding and parsing run on the telemetry worker thread
+    over it is refused unparsed). A redirect is never followed: the endpoint is unread, with a
+    ``redirect`` error (:mod:`.redirects`). Decoding and parsing run on the telemetry worker thread
     (:func:`off_loop`), never on the event loop. One ``aiohttp.ClientSession`` is created lazily on first use (inside the running loop)
     and reused; call :meth:`close` when done. Use a Scraper from a single event loop.
     """
@@ -154,7 +156,11 @@ class Scraper:
         return ScrapeResult(parsed, None, collected_at)
 
     async def _fetch(self, session: aiohttp.ClientSession, url: str) -> bytes:
-        async with session.get(url, headers={"Accept": "text/plain"}) as resp:
+        async with session.get(url, headers={"Accept": "text/plain"},
+                               allow_redirects=False) as resp:
+            if is_redirect(resp.status):
+                raise _FetchError("redirect",
+                                  redirect_refused("metrics page", resp.status, resp.headers))
             if resp.status != 200:
                 raise _FetchError("http", f"status {resp.status} {resp.reason or ''}".rstrip())
             try:
