@@ -151,11 +151,23 @@ def render_bootstrap(
             "cds_config": {"ads": {}, "resource_api_version": "V3"},
             "lds_config": {"ads": {}, "resource_api_version": "V3"},
         },
+        "layered_runtime": {"layers": [ADMISSION_LAYER]},
         "static_resources": {"clusters": [_xds_cluster(xds_host, xds_port)]},
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
         },
     }
+
+
+# trimtab's admission budgets (circuit-breaker limits) arrive as this RTDS layer over ADS;
+# Envoy waits for it at start-up at most the initial fetch timeout (a control plane that
+# does not serve it delays nothing further).
+ADMISSION_LAYER: dict[str, Any] = {
+    "name": "trimtab-admission",
+    "rtds_layer": {"name": "trimtab-admission",
+                   "rtds_config": {"ads": {}, "resource_api_version": "V3",
+                                   "initial_fetch_timeout": "5s"}},
+}
 
 
 def admin_port_of(config: dict[str, Any]) -> int:

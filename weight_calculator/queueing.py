@@ -283,7 +283,8 @@ STANDBY_WITH_FALLBACK = 1.0 - 1.0 / OVERPROVISIONING
 
 def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: float,
               previous: EndpointWeight | None, policy: QueueingPolicy, standby: bool,
-              degraded: bool, share_units: float, rated: bool = True) -> EndpointWeight:
+              degraded: bool, share_units: float, rated: bool = True,
+              per_request: float | None = None) -> EndpointWeight:
     """``units``: the weight the share asks for, ``max_weight`` for the busiest endpoint;
     ``share_units`` the same without Envoy's divisor (``share_weight`` in the breakdown, for
     clusters whose active counts are not the pool's: the derived prompt-size classes)."""
@@ -299,6 +300,8 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
         breakdown["service_rate"] = mu
     if rated:  # measured, else the prior; not before any rate is (mu is a capacity then)
         breakdown["service_rate_used"] = mu  # the prompt classes' prefill cap reads it
+        if per_request is not None:  # the admission budget reads both (admission.py)
+            breakdown["work_per_request"] = per_request
     kv = signals.get("kv_usage")
     if degraded:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (
@@ -466,6 +469,7 @@ def compute_queueing_weights(
     left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
     degraded = _degraded(estimates, policy)
     share_units = _units(shares, policy)
+    per_request = _work_per_request(estimates)
     if tiers:
         plan = plan_localities(tiers, shares, left_out, degraded,
                                max_weight=policy.max_weight,
@@ -489,7 +493,7 @@ def compute_queueing_weights(
                                       units.get(e.address, MIN_WEIGHT),
                                       backlogs[e.address], held.get(e.address), policy,
                                       e.address in idle, e.address in degraded,
-                                      share_units[e.address], rated)
+                                      share_units[e.address], rated, per_request)
                  for e in estimates}
     weights = complete_pool(pool, endpoints, shared)
     return _with_localities(weights, tiers, plan.weights) if tiers else weights

@@ -99,7 +99,7 @@ def test_ranges_are_min_inclusive_max_exclusive_and_open_ends_far() -> None:
     assert ranges["temperature"][1] == 0.3 and ranges["temperature"][0] < -1e100
 
 
-def test_local_replies_are_json_with_retry_after_on_503_only() -> None:
+def test_local_replies_are_json_with_retry_after_on_503_and_429_only() -> None:
     config = parse_config({"listener": {"local_replies": {"retry_after_seconds": 9}},
                            "pools": _pools()})
     mappers = local_reply_config(config)["mappers"]
@@ -108,14 +108,18 @@ def test_local_replies_are_json_with_retry_after_on_503_only() -> None:
     assert by_flag["UH"]["status_code"] == 503
     assert by_flag["UH"]["headers_to_add"][0]["header"] == {"key": "retry-after", "value": "9"}
     overloaded = by_flag["UO"]["body_format_override"]["text_format_source"]["inline_string"]
-    assert json.loads(overloaded)["error"]["code"] == "overloaded"
+    assert by_flag["UO"]["status_code"] == 429  # over the admission budget: refused, not failed
+    assert json.loads(overloaded)["error"]["code"] == "rate_limit_exceeded"
+    assert [h["header"]["value"] for h in by_flag["UO"]["headers_to_add"]] == [
+        "9", "%METADATA(ROUTE:trimtab:retry_after)%"]  # the route's prediction wins
     assert by_flag["UT"]["status_code"] == 504 and "headers_to_add" not in by_flag["UT"]
     document = json_format.MessageToDict(build_listener(config))
     hcm = document["filterChains"][0]["filters"][0]["typedConfig"]
     assert len(hcm["localReplyConfig"]["mappers"]) == len(mappers)
     off = parse_config({"listener": {"local_replies": {"retry_after_seconds": 0}},
                         "pools": _pools()})
-    assert not any("headers_to_add" in m for m in local_reply_config(off)["mappers"])
+    assert [m["filter"]["response_flag_filter"]["flags"] for m in local_reply_config(off)["mappers"]
+            if "headers_to_add" in m] == [["UO"]]  # only an admitting route's own value
 
 
 def test_a_static_answer_comes_first_and_names_its_model() -> None:

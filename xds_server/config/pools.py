@@ -167,6 +167,24 @@ class CircuitBreakerConfig(Model):
     max_requests: int = Field(100_000, ge=1)
 
 
+class SloConfig(Model):
+    """The pool's service-level objective; with ``ttft_seconds`` set, admission is on."""
+
+    ttft_seconds: float | None = Field(None, gt=0, le=3600)
+
+
+class AdmissionConfig(Model):
+    """How the admission budget (from ``slo.ttft_seconds``) is enforced: Envoy's circuit
+    breakers, set at run time over RTDS (xds_server/envoy/admission.py)."""
+
+    enabled: bool = True
+    wait_fraction: float = Field(0.75, gt=0, le=1)  # of the SLO a request may wait queued
+    priority_header: str = Field("x-priority", min_length=1, max_length=128)
+    default_priority: Literal["interactive", "batch"] = "interactive"
+    batch_share: float = Field(0.5, gt=0, le=1)  # of the budget batch requests may hold
+    envoys: int | None = Field(None, ge=1, le=100_000)  # None: counted from the xDS streams
+
+
 class OutlierDetectionConfig(Model):
     enabled: bool = True
     consecutive_5xx: int = Field(5, ge=1)
@@ -252,6 +270,8 @@ class PoolConfig(Model):
     fallback: str | None = None
     retry_policy: RetryConfig = RetryConfig()
     circuit_breakers: CircuitBreakerConfig = CircuitBreakerConfig()
+    slo: SloConfig = SloConfig()
+    admission: AdmissionConfig = AdmissionConfig()
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
     slow_start: SlowStartConfig | None = None
@@ -304,6 +324,11 @@ class PoolConfig(Model):
     @property
     def canary_cluster(self) -> str:
         return f"{self.name}-canary"
+
+    @property
+    def admits(self) -> bool:
+        """Admission control is on: an SLO to keep and not switched off."""
+        return self.slo.ttft_seconds is not None and self.admission.enabled
 
     @property
     def fallback_cluster(self) -> str:

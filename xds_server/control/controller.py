@@ -21,6 +21,8 @@ from weight_calculator.types import PoolWeights
 from xds_server.admin import metrics
 from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
+from xds_server.control.admission import AdmissionState
+from xds_server.control.admission import next_state as next_admission
 from xds_server.control.autoscale import Autoscaler
 from xds_server.control.notes import TickStats, WeighingNotes
 from xds_server.control.rollouts.runner import Rollouts
@@ -90,6 +92,9 @@ class Controller:
         self.notes = WeighingNotes(self.stats)
         self._replan = asyncio.Event()  # set by reload() when the tick interval changes
         self.auto: dict[str, tuple[AutoClass, ...]] = {}  # long_context: auto, per pool
+        self.admission = AdmissionState()  # the budgets in force (control/admission.py)
+        # how many Envoys share a pool's budget; the app counts those receiving the layer
+        self.envoys: Callable[[PoolConfig], int] = lambda pool: 1
         self._heap_frozen = False  # see freeze_startup_heap
         self.apply_config(config)
 
@@ -133,8 +138,10 @@ class Controller:
         config, the canary shares the rollouts hold (their one home) and the automatic
         classes; only when one changed."""
         percent = self.rollouts.percents()
-        if self._routing is None or not self._routing.built_from(self.config, percent, self.auto):
-            self._routing = route_resources(self.config, percent, self.auto)
+        retry_after = self.admission.retry_after(self.config)
+        if self._routing is None or not self._routing.built_from(self.config, percent, self.auto,
+                                                                 retry_after):
+            self._routing = route_resources(self.config, percent, self.auto, retry_after)
 
     @property
     def sources(self) -> dict[str, TelemetrySource]:
@@ -211,6 +218,7 @@ class Controller:
         with self.notes.lock:
             self.weights = self._weigh_and_note(jobs, results)
         self._update_auto_classes()
+        self._update_admission()
 
     async def ingest_off_loop(self, results: dict[str, ScrapeResult]) -> None:
         """:meth:`ingest` without holding up the event loop.
@@ -236,6 +244,7 @@ class Controller:
         if self.config is config:
             self.weights = weights
             self._update_auto_classes()
+            self._update_admission()
         else:  # its notes may have named endpoints or clusters the new config dropped
             self.notes.forget(self._members())
 
@@ -291,6 +300,12 @@ class Controller:
             self.auto = auto
             self._sync_routes()
 
+    def _update_admission(self) -> None:
+        """Each admitting pool's budget from the weights just applied; the routes follow
+        when a Retry-After changed."""
+        self.admission = next_admission(self.config, self.weights, self.admission, self.envoys)
+        self._sync_routes()
+
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
         """Store one read; a NaN/negative/out-of-range signal is moved to its problems."""
         if result.signals is not None:
@@ -305,7 +320,8 @@ class Controller:
     def resources(self) -> dict[str, list[Message]]:
         """Every resource to serve, from the current inputs (:func:`envoy.build.build_resources`)."""
         assert self._routing is not None  # built by apply_config
-        return build_resources(self._static, self._routing, self.weights)
+        return build_resources(self._static, self._routing, self.weights,
+                               self.admission.limits(self.config))
 
     def publish(self, read_at: float | None = None) -> bool:
         """Build, check and publish a snapshot. An inconsistent one is refused (our fault):
@@ -326,12 +342,14 @@ class Controller:
 
     def _resource_inputs(self) -> tuple[object, ...]:
         """Everything :meth:`resources` reads; each is replaced when it changes, not mutated."""
-        return (self.config, self.weights, self._static, self._routing)
+        return (self.config, self.weights, self._static, self._routing, self.admission)
 
     def view_inputs(self) -> ViewInputs:
         """What the routes of :meth:`resources` are built from; published with the snapshot,
         per-node views are computed from it (`envoy.views`)."""
-        return ViewInputs(self.config, self.canary_percent)
+        routing = self._routing
+        return ViewInputs(self.config, self.canary_percent,
+                          routing.retry_after if routing is not None else {})
 
     def _build(self) -> Snapshot | InconsistentSnapshotError:
         try:

@@ -9,7 +9,7 @@ ClusterLoadAssignments follow the weights (:func:`build_resources`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
 
@@ -17,6 +17,7 @@ from weight_calculator.health import DEGRADED as DEGRADED_HEALTH
 from weight_calculator.health import STANDBY
 from weight_calculator.types import PoolWeights
 from xds_server.config.schema import Config
+from xds_server.envoy.admission import ClusterLimits, runtime_layer
 from xds_server.envoy.clusters import (
     DEGRADED,
     HEALTHY,
@@ -59,19 +60,24 @@ class RouteResources:
     auto: AutoClasses
     auto_clusters: tuple[Message, ...]
     routes: Message
+    retry_after: Mapping[str, int] = field(default_factory=dict)
 
     def built_from(self, config: Config, canary_percent: Mapping[str, float],
-                   auto: AutoClasses) -> bool:
+                   auto: AutoClasses, retry_after: Mapping[str, int] | None = None) -> bool:
         return (self.config is config and self.canary_percent == canary_percent
-                and self.auto == auto)
+                and self.auto == auto and dict(self.retry_after) == dict(retry_after or {}))
 
 
 def route_resources(config: Config, canary_percent: Mapping[str, float],
-                    auto: AutoClasses) -> RouteResources:
+                    auto: AutoClasses, retry_after: Mapping[str, int] | None = None
+                    ) -> RouteResources:
+    """``retry_after``: each admitting pool's Retry-After (quantised: it changes rarely)."""
     auto_clusters = tuple(build_cluster(config.pool(name), c.cluster)
                           for name, classes in auto.items() for c in classes)
+    retry_after = dict(retry_after or {})
     return RouteResources(config, canary_percent, auto, auto_clusters,
-                          build_route_config(config, canary_percent, auto))
+                          build_route_config(config, canary_percent, auto, retry_after),
+                          retry_after)
 
 
 def eds_health(health: str) -> str:
@@ -101,9 +107,13 @@ def endpoint_settings(weights: Mapping[str, PoolWeights]
 
 
 def build_resources(static: ConfigResources, routing: RouteResources,
-                    weights: Mapping[str, PoolWeights]) -> dict[str, list[Message]]:
+                    weights: Mapping[str, PoolWeights],
+                    limits: Mapping[str, ClusterLimits] | None = None
+                    ) -> dict[str, list[Message]]:
     """Every resource by type URL: the config's clusters and the derived ones, a
-    ClusterLoadAssignment per cluster with its weights, the listener and the routes."""
+    ClusterLoadAssignment per cluster with its weights, the listener, the routes and the
+    admission layer (``limits``: one Envoy's limits per cluster; always served, empty when
+    nothing is limited, so an Envoy whose bootstrap names the layer never waits for it)."""
     settings = endpoint_settings(weights)
     config = static.config
     assignments = [build_load_assignment(name, endpoints, settings.get(name, {}))
@@ -114,6 +124,7 @@ def build_resources(static: ConfigResources, routing: RouteResources,
                              *_auto_assignments(config, routing.auto, settings, weights)],
         type_urls.LISTENER: [static.listener],
         type_urls.ROUTE: [routing.routes],
+        type_urls.RUNTIME: [runtime_layer(limits or {})],
     }
 
 

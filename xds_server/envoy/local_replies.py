@@ -11,6 +11,7 @@ from typing import Any
 
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
+from xds_server.envoy.admission import RETRY_AFTER_KEY
 from xds_server.envoy.request_features import MODEL_HEADER, _metadata
 
 # Flags of "no server could take it": none healthy (UH); or, since Envoy's panic threshold
@@ -20,8 +21,9 @@ _UNREACHABLE = ["UF", "URX", "UR", "UC", "LR"]
 _REPLIES: list[tuple[list[str], int, str, str, str, bool]] = [
     (["UH"], 503, "server_error", "no_healthy_upstream",
      "No server for this model is available right now.", True),
-    (["UO"], 503, "server_error", "overloaded",
-     "The servers for this model are at capacity.", True),
+    # over the admission budget (a circuit breaker: envoy/admission.py): refused, not failed
+    (["UO"], 429, "requests", "rate_limit_exceeded",
+     "The servers for this model are at capacity; retry after Retry-After seconds.", True),
     (_UNREACHABLE, 503, "server_error", "upstream_unavailable",
      "The server for this model could not be reached.", True),
     (["NC"], 503, "server_error", "no_cluster",
@@ -33,12 +35,18 @@ _REPLIES: list[tuple[list[str], int, str, str, str, bool]] = [
 ]
 
 
-def _retry_after(config: Config) -> list[dict[str, Any]]:
+def _retry_after(config: Config, predicted: bool = False) -> list[dict[str, Any]]:
+    """The configured Retry-After; with ``predicted``, then the route's own (an admitting
+    pool's predicted wait, ``trimtab.retry_after`` in its metadata), which replaces it when
+    the route has one (an empty value adds no header)."""
     seconds = config.listener.local_replies.retry_after_seconds
-    if seconds <= 0:
-        return []
-    return [{"header": {"key": "retry-after", "value": str(seconds)},
-             "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+    headers = [{"header": {"key": "retry-after", "value": str(seconds)},
+                "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}] if seconds > 0 else []
+    if predicted:
+        headers.append({"header": {"key": "retry-after",
+                                   "value": f"%METADATA(ROUTE:trimtab:{RETRY_AFTER_KEY})%"},
+                        "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+    return headers
 
 
 def _error_body(message: str, kind: str, code: str) -> dict[str, Any]:
@@ -81,8 +89,9 @@ def local_reply_config(config: Config) -> dict[str, Any]:
         mapper: dict[str, Any] = {"filter": {"response_flag_filter": {"flags": flags}},
                                   "status_code": status,
                                   "body_format_override": _error_body(message, kind, code)}
-        if retry and _retry_after(config):
-            mapper["headers_to_add"] = _retry_after(config)
+        headers = _retry_after(config, predicted="UO" in flags) if retry else []
+        if headers:
+            mapper["headers_to_add"] = headers
         mappers.append(mapper)
     too_large = {"status_code_filter": {"comparison": {
         "op": "EQ", "value": {"default_value": 413, "runtime_key": "trimtab.local_reply.413"}}}}

@@ -34,6 +34,7 @@ from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy import request_features
+from xds_server.envoy.admission import admission_routes
 from xds_server.envoy.local_replies import local_reply_config
 from xds_server.envoy.prompt_classes import AutoClass
 
@@ -139,9 +140,17 @@ def _auto_action(pool: PoolConfig, cls: AutoClass) -> dict[str, Any]:
     return action
 
 
+def _retry_after(config: Config, pool: PoolConfig, retry_after: Mapping[str, int] | None
+                 ) -> int:
+    """The pool's predicted Retry-After, else the configured one (at least 1 s)."""
+    default = max(1, config.listener.local_replies.retry_after_seconds)
+    return (retry_after or {}).get(pool.name, default)
+
+
 def _pool_routes(config: Config, pool: PoolConfig, source: str,
                  canary: Mapping[str, float],
-                 auto: Sequence[AutoClass] = ()) -> list[dict[str, Any]]:
+                 auto: Sequence[AutoClass] = (),
+                 retry_after: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
@@ -172,32 +181,39 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
                        "route": _auto_action(pool, cls)})
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
                    "route": _action(pool, percent)})
-    return request_features.scope_classifier(config, pool, routes)
+    wait = _retry_after(config, pool, retry_after)
+    return request_features.scope_classifier(config, pool, admission_routes(pool, routes, wait))
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None,
-                 auto: Mapping[str, Sequence[AutoClass]] | None = None
-                 ) -> list[dict[str, Any]]:
+                 auto: Mapping[str, Sequence[AutoClass]] | None = None,
+                 retry_after: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Header routes, then body routes, then the unknown-model and no-model answers.
-    ``auto``: each pool's derived prompt-size classes (``long_context: auto``)."""
+    ``auto``: each pool's derived prompt-size classes (``long_context: auto``);
+    ``retry_after``: each admitting pool's Retry-After for refusals (envoy/admission.py)."""
     canary = canary or {}
     auto = auto or {}
     routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
     routes: list[dict[str, Any]] = []
     for pool in routable:
-        routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()))
+        routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()),
+                               retry_after)
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
     for pool in routable:
-        routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()))
+        routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()),
+                               retry_after)
     unknown = {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
                                      "value": {"present_match": True}}]}
     routes.append(_json_error("body:unknown", unknown, 404, "model_not_found",
                               "The requested model is not served here."))
     if len(routable) == 1:
-        routes.append({"name": "default", "match": {"prefix": "/"},
-                       "route": _action(routable[0], canary.get(routable[0].name, 0.0))})
+        only = routable[0]
+        wait = _retry_after(config, only, retry_after)
+        routes += admission_routes(only, [{"name": "default", "match": {"prefix": "/"},
+                                           "route": _action(only, canary.get(only.name, 0.0))}],
+                                   wait)
     else:
         routes.append(_json_error("no-model", {}, 400, "model_required",
                                   "Name a model in the JSON body or the x-model header."))
@@ -212,11 +228,12 @@ def _class_only(config: Config) -> set[str]:
 
 
 def build_route_config(config: Config, canary: Mapping[str, float] | None = None,
-                       auto: Mapping[str, Sequence[AutoClass]] | None = None
+                       auto: Mapping[str, Sequence[AutoClass]] | None = None,
+                       retry_after: Mapping[str, int] | None = None
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
         {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
-            config, model_routes(config, canary, auto))}]}
+            config, model_routes(config, canary, auto, retry_after))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 

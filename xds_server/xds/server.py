@@ -105,6 +105,11 @@ class XdsServicer:
         if on_event is not None:
             self.observers.add(EventCallback(on_event))
 
+    def subscribers(self, type_url: str) -> int:
+        """How many distinct nodes hold a stream subscribed to `type_url` (e.g. the Envoys
+        that share an admission budget, each counting only its own requests)."""
+        return len({info.node_id for info in self.streams if type_url in info.types})
+
     def close_streams(self) -> None:
         """Shutting down: end every open stream now (clients reconnect, e.g. to a replica)
         instead of letting the server wait out its grace period on streams that never end."""

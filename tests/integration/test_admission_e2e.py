@@ -1,0 +1,156 @@
+"""Admission end to end: measured capacity in, Envoy's circuit breakers (over RTDS) out.
+
+Two fake vLLM servers behind ``trimtab serve`` with ``slo.ttft_seconds`` and a real Envoy.
+Each page says the engine is full (requests waiting) and finishes 2 requests a second (work
+counters at 2,000 tokens/s, 1,000 tokens a request) with 8 running. The budget is then, by
+weight_calculator/admission.py's formula (docs/configuration.md, "Admission"):
+8 running + floor(0.75 x 2 s x 2/s) = 3 queued, per server: 22 for the pool, batch half of
+it. The servers hold every request for seconds, so a burst over the budget is refused at
+once with an OpenAI-shaped 429 and ``Retry-After``, and a budget change reaches Envoy as a
+runtime update, never as a cluster update.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.integration.conftest import TrimtabProcess
+from tests.support import BackendFleet, VllmPage
+from tests.support.wait import wait_until
+from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
+
+pytestmark = pytest.mark.slow
+
+INTERVAL_S = 0.5
+SETTLE_S = 20.0
+MODEL = "m-admission"
+HOLD_S = 3.0  # how long a server holds each request
+BUDGET, BATCH = 22, 11
+
+
+def _config(path: Path, fleet: BackendFleet, ports: dict[str, int]) -> None:
+    config = {
+        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
+        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
+        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
+        "telemetry": {"interval_seconds": INTERVAL_S, "stale_after_seconds": 3.0},
+        "pools": [{"name": "adm", "model": MODEL, "slo": {"ttft_seconds": 2.0},
+                   "endpoints": [{"address": address} for address in fleet.addresses]}],
+    }
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[tuple[BackendFleet, TrimtabProcess, EnvoyProcess, int]]:
+    workdir = tmp_path_factory.mktemp("admission")
+    ports = {name: free_port() for name in ("xds", "admin", "listener", "envoy_admin")}
+    fleet = BackendFleet(2).start()
+    trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log")
+    envoy = EnvoyProcess(extra_args=["--concurrency", "2"])
+    try:
+        for index in range(2):
+            fleet.set_vllm(index, VllmPage(kv_usage=0.9, waiting=4, running=8,
+                                           tokens_per_s=2000.0, tokens_per_request=1000.0))
+            fleet.backends[index].response_delay_s = HOLD_S
+        _config(workdir / "trimtab.yaml", fleet, ports)
+        trimtab.start()
+        trimtab.wait_ready()
+        envoy.start(render_bootstrap(xds_host="127.0.0.1", xds_port=ports["xds"],
+                                     admin_port=ports["envoy_admin"]), workdir / "envoy.log")
+        envoy.wait_ready(timeout=SETTLE_S)
+        yield fleet, trimtab, envoy, ports["listener"]
+    finally:
+        pids = [p.pid for p in (trimtab.proc, envoy.proc) if p is not None]
+        envoy.stop()
+        trimtab.stop()
+        fleet.stop()
+        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "processes left"
+
+
+def _runtime(envoy: EnvoyProcess) -> dict[str, str]:
+    entries = json.loads(envoy.admin_get("/runtime"))["entries"]
+    return {k: v.get("final_value", "") for k, v in entries.items()}
+
+
+def _stats(envoy: EnvoyProcess) -> dict[str, int]:
+    out = {}
+    for line in envoy.admin_get("/stats").splitlines():
+        name, _, value = line.partition(": ")
+        if value.strip().isdigit():
+            out[name] = int(value)
+    return out
+
+
+def _post(port: int, priority: str | None) -> tuple[int, float, dict[str, str], bytes]:
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
+    headers = {"content-type": "application/json"}
+    if priority is not None:
+        headers["x-priority"] = priority
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
+                                     headers)
+    started = time.perf_counter()
+    try:
+        with urllib.request.urlopen(request, timeout=30) as resp:
+            return resp.status, time.perf_counter() - started, dict(resp.headers), resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, time.perf_counter() - started, dict(exc.headers), exc.read()
+
+
+def _burst(port: int, count: int, priority: str | None) -> list[tuple[int, float, dict, bytes]]:
+    with ThreadPoolExecutor(count) as pool:
+        return list(pool.map(lambda _: _post(port, priority), range(count)))
+
+
+def test_a_burst_over_the_budget_is_refused_at_once_with_an_openai_429(stack) -> None:
+    fleet, trimtab, envoy, port = stack
+    key = "circuit_breakers.adm.high.max_requests"
+    wait_until(lambda: _runtime(envoy), SETTLE_S * 2, f"Envoy's runtime holds {key}={BUDGET}",
+               check=lambda rt: rt.get(key) == str(BUDGET)
+               and rt.get("circuit_breakers.adm.default.max_requests") == str(BATCH))
+    before = _stats(envoy)
+    results = _burst(port, 30, None)
+    served = [r for r in results if r[0] == 200]
+    refused = [r for r in results if r[0] == 429]
+    assert len(served) == BUDGET and len(refused) == 30 - BUDGET, [r[0] for r in results]
+    for _status, seconds, headers, body in refused:
+        assert seconds < 1.0, seconds  # answered by Envoy, never queued behind the servers
+        error = json.loads(body)["error"]
+        assert error["code"] == "rate_limit_exceeded" and error["type"] and error["message"]
+        assert int(headers["retry-after"]) >= 1
+    after = _stats(envoy)
+    assert after["cluster.adm.upstream_rq_active_overflow"] - before.get(
+        "cluster.adm.upstream_rq_active_overflow", 0) == len(refused)
+
+
+def test_batch_is_refused_first(stack) -> None:
+    fleet, trimtab, envoy, port = stack
+    wait_until(lambda: _runtime(envoy), SETTLE_S, "the budget in force",
+               check=lambda rt: rt.get("circuit_breakers.adm.default.max_requests") == str(BATCH))
+    results = _burst(port, 20, "batch")
+    assert sum(r[0] == 200 for r in results) == BATCH, [r[0] for r in results]
+    assert sum(r[0] == 429 for r in results) == 20 - BATCH
+
+
+def test_a_budget_change_is_a_runtime_update_not_a_cluster_update(stack) -> None:
+    fleet, trimtab, envoy, port = stack
+    before = _stats(envoy)
+    for index in range(2):  # twice as fast: 4 requests/s each, 6 may queue: 28 in all
+        fleet.set_vllm(index, tokens_per_s=4000.0)
+    key = "circuit_breakers.adm.high.max_requests"
+    wait_until(lambda: _runtime(envoy), SETTLE_S * 3, "the budget grows",
+               check=lambda rt: int(rt.get(key) or 0) > BUDGET)
+    after = _stats(envoy)
+    assert after["runtime.load_success"] > before["runtime.load_success"]
+    for name in ("cluster_manager.cds.update_success", "cluster_manager.cluster_modified",
+                 "cluster_manager.cluster_added", "cluster_manager.cluster_removed"):
+        assert after.get(name, 0) == before.get(name, 0), name
