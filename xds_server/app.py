@@ -12,7 +12,7 @@ from aiohttp import web
 from grpc_health.v1.health import aio as health_aio
 
 from xds_server.admin.api import AdminApi, start_admin
-from xds_server.admin.documents import weights_document
+from xds_server.admin.documents import weights_summary
 from xds_server.admin.history import WeightHistory, history_point
 from xds_server.classify_server import EmbeddedClassifier
 from xds_server.config.load import ConfigError, load_config_off_loop
@@ -218,10 +218,11 @@ class Trimtab:
         self.discovery.start(config)
 
     def _prepare_history(self) -> Callable[[], None]:
-        """On the telemetry worker: the weights document (CPU-heavy at fleet scale, reads
-        only what a tick replaces) and its history point, so that only the point (a few
-        untracked maps) outlives the job; the loop then adds it."""
-        point = history_point(self.controller.clock(), weights_document(self.controller))
+        """On the telemetry worker: the history point (each endpoint's weight and staleness,
+        read from what a tick replaces, never mutates); the loop then adds it. `/v1/weights`
+        itself is built on the admin thread, only when read (`admin/builds.py`)."""
+        point = history_point(self.controller.clock(),
+                              weights_summary(self.controller.config, self.controller.weights))
         return lambda: self.history.add(point)
 
     def _apply_discovered(self, config: Config) -> None:

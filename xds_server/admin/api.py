@@ -1,6 +1,10 @@
 """Admin HTTP API (aiohttp): health, readiness, metrics and the weights trimtab holds.
 
-Loopback by default. Errors are JSON with a proper status code.
+Loopback by default. Errors are JSON with a proper status code. The documents that grow with
+the fleet (`/v1/weights`, `/v1/snapshot`, `/v1/nacks`, `/v1/config`, `/v1/history`) are built
+and encoded on the admin thread (`admin/builds.py`), once per version of their inputs, and
+are bounded in bytes (:class:`~xds_server.admin.encoding.DocumentLimits`); connections are
+bounded by `admin/serving.py`.
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ from aiohttp.http_exceptions import HttpProcessingError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from xds_server.admin import metrics
-from xds_server.admin.documents import snapshot_document, weights_document
+from xds_server.admin.builds import AdminWorker, BuildCache
+from xds_server.admin.documents import (
+    encode_config,
+    encode_nacks,
+    encode_snapshot,
+    encode_weights,
+    stream_rows,
+)
+from xds_server.admin.encoding import DocumentLimits, Encoded, TooLarge, bounded, dumps
 from xds_server.admin.history import WeightHistory
+from xds_server.admin.serving import ConnectionLimits, start_guarded
 from xds_server.admin.status_page import add_status_routes
 from xds_server.control.controller import Controller
 from xds_server.control.rollouts.machine import RolloutCommandError
@@ -24,7 +37,6 @@ from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
 from xds_server.security.admin_auth import bearer_middleware
 from xds_server.security.admin_origin import same_origin_middleware
-from xds_server.xds import type_urls
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.server import XdsServicer
 
@@ -40,6 +52,17 @@ def _json(data: Any, status: int = 200) -> web.Response:
 
 def json_error(status: int, message: str) -> web.Response:
     return _json({"error": {"status": status, "message": message}}, status)
+
+
+def _encoded(encoded: Encoded) -> web.Response:
+    if isinstance(encoded, TooLarge):
+        return json_error(413, encoded.message)
+    return web.Response(body=encoded, content_type="application/json")
+
+
+def _quoted(value: str, limit: int = 64) -> str:
+    """A caller's query value for an error message: repr'd and cut to ``limit`` characters."""
+    return repr(value[:limit]) + ("..." if len(value) > limit else "")
 
 
 @web.middleware
@@ -58,7 +81,7 @@ class AdminApi:
     def __init__(self, controller: Controller, is_ready: Callable[[], bool],
                  servicer: XdsServicer | None = None, nacks: NackLog | None = None,
                  history: WeightHistory | None = None, token: str | None = None,
-                 protect_reads: bool = False) -> None:
+                 protect_reads: bool = False, limits: DocumentLimits | None = None) -> None:
         self.controller = controller
         self._fleet = metrics.FleetCollector(lambda: self.controller.weights)
         self.token = token
@@ -67,6 +90,9 @@ class AdminApi:
         self.servicer = servicer
         self.nacks = nacks
         self.history = history if history is not None else WeightHistory()
+        self.limits = limits if limits is not None else DocumentLimits()
+        self.worker = AdminWorker()
+        self._builds: BuildCache[Encoded] = BuildCache(self.worker)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_middleware(self.token, self.protect_reads),
@@ -80,8 +106,12 @@ class AdminApi:
         app.router.add_get("/v1/config", self.effective_config)
         app.router.add_get("/v1/rollouts", self.rollout_list)
         app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
-        add_status_routes(app, self.history)
+        add_status_routes(app, self.history, self.worker, self.limits.history_bytes)
+        app.on_cleanup.append(self._close)
         return app
+
+    async def _close(self, app: web.Application) -> None:
+        self.worker.close()
 
     async def healthz(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -98,27 +128,53 @@ class AdminApi:
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def weights(self, request: web.Request) -> web.Response:
-        return _json(weights_document(self.controller))
+        """Every pool's weights, or one pool's with ``?pool=NAME``."""
+        config, weights = self.controller.config, self.controller.weights
+        pool = request.query.get("pool")
+        names = {p.name for p in config.pools}
+        if pool is not None and pool not in names:
+            return json_error(404, f"pool: no pool {_quoted(pool)} in the config")
+        self._builds.forget(lambda slot: slot[1] is None or slot[1] in names)
+        limit = self.limits.weights_bytes
+
+        async def job() -> Callable[[], Encoded]:
+            return lambda: encode_weights(config, weights, pool, limit)
+        return _encoded(await self._builds.get(("weights", pool), (config, weights), job))
 
     async def snapshot(self, request: web.Request) -> web.Response:
-        current = self.controller.cache.snapshot
-        document = snapshot_document(self.servicer)
-        document["current"] = ({"version": current.version, "types": {
-            type_urls.short_name(t): {"version": current.versions[t], "resources": {
-                name: res.version for name, res in current.of_type(t).items()}}
-            for t in current.resources}} if current is not None else None)
-        return _json(document)
+        """Each connected stream (only one node's with ``?node=ID``) and the current snapshot."""
+        node = request.query.get("node")
+        servicer, cache, limit = self.servicer, self.controller.cache, self.limits.snapshot_bytes
+
+        async def job() -> Callable[[], Encoded]:
+            rows, current = await stream_rows(servicer, node), cache.snapshot
+            return lambda: encode_snapshot(rows, current, limit)
+        # joins a build already running for the same node; each build copies the streams anew
+        slot = ("snapshot", node) if node is None or len(node) <= 1024 else ("snapshot", "")
+        return _encoded(await self._builds.get(slot, None, job))
 
     async def nack_list(self, request: web.Request) -> web.Response:
-        return _json({"total": self.nacks.total if self.nacks else 0,
-                      "recent": self.nacks.recent() if self.nacks else []})
+        total = self.nacks.total if self.nacks else 0
+        recent = self.nacks.recent() if self.nacks else []
+        limit = self.limits.nacks_bytes
+
+        async def job() -> Callable[[], Encoded]:
+            return lambda: encode_nacks(total, recent, limit)
+        return _encoded(await self._builds.get(("nacks", None), None, job))
 
     async def effective_config(self, request: web.Request) -> web.Response:
-        return _json(self.controller.config.model_dump(mode="json"))
+        config, limit = self.controller.config, self.limits.config_bytes
+
+        async def job() -> Callable[[], Encoded]:
+            return lambda: encode_config(config, limit)
+        return _encoded(await self._builds.get(("config", None), (config,), job))
 
     async def rollout_list(self, request: web.Request) -> web.Response:
-        return _json({"rollouts": self.controller.rollouts.document(),
+        """Small (a few lines per pool with versions): built on the loop, bounded all the same."""
+        body = dumps({"rollouts": self.controller.rollouts.document(),
                       "leader": self.controller.rollouts.leader_document()})
+        return _encoded(bounded("/v1/rollouts", body, self.limits.rollouts_bytes,
+                                "each rollout's state is in rollouts.state_file (or its ConfigMap)"))
 
     async def rollout_command(self, request: web.Request) -> web.Response:
         pool, action = request.match_info["pool"], request.match_info["action"]
@@ -161,8 +217,9 @@ HTTP_LOG = logging.getLogger("trimtab.admin.http")
 HTTP_LOG.addFilter(_ClientErrorsInOneLine())
 
 
-async def start_admin(api: AdminApi, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(api.app(), access_log=None, logger=HTTP_LOG)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+async def start_admin(api: AdminApi, host: str, port: int,
+                      limits: ConnectionLimits | None = None) -> web.AppRunner:
+    """Serve ``api`` on ``host:port`` (never shared with another socket), its connections
+    bounded by ``limits`` (`admin/serving.py`)."""
+    return await start_guarded(api.app(), host, port,
+                               limits if limits is not None else ConnectionLimits(), HTTP_LOG)

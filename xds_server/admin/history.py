@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from xds_server.admin.encoding import dumps, join_array, join_object, within_budget
+
 DEFAULT_WINDOW_SECONDS = 600.0
 DEFAULT_MAX_POINTS = 300
 
@@ -69,15 +71,70 @@ class WeightHistory:
                 self._points.pop()
         self._points.append(point)
 
+    def points(self, since: float | None = None) -> list[HistoryPoint]:
+        """The points recorded strictly after `since` (all when None), oldest first."""
+        return [p for p in self._points if since is None or p.at > since]
+
+    def span(self) -> HistorySpan:
+        """What the document says of the whole history, whatever `since` asked for."""
+        return HistorySpan(self.max_points, self._points[0].at if self._points else None,
+                           self._points[-1].at if self._points else None)
+
     def document(self, since: float | None = None) -> dict[str, Any]:
         """The points recorded strictly after `since` (all when None), oldest first."""
-        points = [p for p in self._points if since is None or p.at > since]
-        return {
-            "max_points": self.max_points,
-            "oldest_at": self._points[0].at if self._points else None,
-            "latest_at": self._points[-1].at if self._points else None,
-            "points": [{"at": p.at, "weights": p.weights, "stale": p.stale} for p in points],
-        }
+        return {**self.span().document(),
+                "points": [point_document(p) for p in self.points(since)]}
+
+
+@dataclass(frozen=True)
+class HistorySpan:
+    max_points: int
+    oldest_at: float | None
+    latest_at: float | None
+
+    def document(self) -> dict[str, Any]:
+        return {"max_points": self.max_points, "oldest_at": self.oldest_at,
+                "latest_at": self.latest_at}
+
+
+def point_document(point: HistoryPoint) -> dict[str, Any]:
+    return {"at": point.at, "weights": point.weights, "stale": point.stale}
+
+
+class HistoryEncoder:
+    """`/v1/history` as bytes within a byte limit: each point is encoded once (points never
+    change) and the newest that fit are sent; ``left_out`` (present only then) counts the
+    older ones asked for but not sent. Not thread-safe: one thread (the admin thread) uses it."""
+
+    def __init__(self) -> None:
+        self._encoded: dict[int, tuple[HistoryPoint, bytes]] = {}
+
+    def encode(self, span: HistorySpan, points: list[HistoryPoint], limit: int) -> bytes:
+        fragments = [self._fragment(p) for p in points]
+        self._forget(span)
+        fits = within_budget(fragments[::-1], max(0, limit - 512))
+        kept = fits.kept[::-1]
+        parts = [(key, dumps(value)) for key, value in span.document().items()]
+        if fits.left_out:  # only then: the document keeps its shape otherwise
+            parts.append(("left_out", dumps(fits.left_out)))
+            parts.append(("left_out_hint", dumps(
+                f"{fits.left_out} older points left out to stay within the document's "
+                f"byte limit; ask for later ones with ?since=")))
+        return join_object(sorted([*parts, ("points", join_array(kept))]))
+
+    def _forget(self, span: HistorySpan) -> None:
+        """Drop the points that fell off the ring (older than its oldest), and the oldest
+        beyond twice its size (a history restarted by a clock step)."""
+        held = sorted(self._encoded.items(), key=lambda item: item[1][0].at)
+        keep = [(key, value) for key, value in held
+                if span.oldest_at is not None and value[0].at >= span.oldest_at]
+        self._encoded = dict(keep[-2 * span.max_points:])
+
+    def _fragment(self, point: HistoryPoint) -> bytes:
+        held = self._encoded.get(id(point))
+        if held is None or held[0] is not point:
+            held = self._encoded[id(point)] = (point, dumps(point_document(point)))
+        return held[1]
 
 
 def history_point(at: float, weights_doc: Mapping[str, Any]) -> HistoryPoint:

@@ -9,12 +9,15 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 
 from aiohttp import web
 
-from xds_server.admin.history import WeightHistory
+from xds_server.admin.builds import AdminWorker
+from xds_server.admin.encoding import DocumentLimits
+from xds_server.admin.history import HistoryEncoder, WeightHistory
 
 STATIC_PACKAGE = "xds_server.admin"
 STATIC_DIR = "static"
@@ -29,12 +32,30 @@ ASSET_NAME = re.compile(r"^[A-Za-z0-9_-][A-Za-z0-9_.-]*(" + "|".join(
     re.escape(ext) for ext in CONTENT_TYPES) + r")$")
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
        "connect-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-HISTORY_KEY = web.AppKey("trimtab_weight_history", WeightHistory)
 
 
-def add_status_routes(app: web.Application, history: WeightHistory) -> None:
-    """Register `GET /` (the page), `GET /static/{name}` and `GET /v1/history`."""
-    app[HISTORY_KEY] = history
+@dataclass(frozen=True)
+class HistoryServing:
+    """What `/v1/history` reads: the history, and the admin thread that encodes it."""
+
+    history: WeightHistory
+    worker: AdminWorker
+    encoder: HistoryEncoder
+    limit: int
+
+
+HISTORY_KEY = web.AppKey("trimtab_weight_history", HistoryServing)
+
+
+def add_status_routes(app: web.Application, history: WeightHistory,
+                      worker: AdminWorker | None = None,
+                      limit: int = DocumentLimits.history_bytes) -> None:
+    """Register `GET /` (the page), `GET /static/{name}` and `GET /v1/history` (encoded on
+    ``worker``'s thread, at most ``limit`` bytes)."""
+    if worker is None:
+        worker = AdminWorker()
+        app.on_cleanup.append(lambda _: _close(worker))
+    app[HISTORY_KEY] = HistoryServing(history, worker, HistoryEncoder(), limit)
     app.router.add_get("/", _index)
     app.router.add_get("/static/{name}", _static)
     app.router.add_get("/v1/history", _history)
@@ -77,8 +98,17 @@ async def _history(request: web.Request) -> web.Response:
         except ValueError:
             since = math.nan
         if not math.isfinite(since):
-            return _json_error(400, f"since: expected a number (unix seconds), got {raw!r}")
-    return _json(request.app[HISTORY_KEY].document(since))
+            return _json_error(400, f"since: expected a number (unix seconds), got "
+                                    f"{raw[:64]!r}")
+    serving = request.app[HISTORY_KEY]
+    span, points = serving.history.span(), serving.history.points(since)
+    body = await serving.worker.run(
+        "history", lambda: serving.encoder.encode(span, points, serving.limit))
+    return web.Response(body=body, content_type="application/json")
+
+
+async def _close(worker: AdminWorker) -> None:
+    worker.close()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
