@@ -39,7 +39,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from trimtab_dev.bench import envoy_configs, reference, report, spread
+from trimtab_dev.bench import envoy_configs, reference, report, spread, surge
 from trimtab_dev.bench.envoy_configs import LongContext
 from trimtab_dev.bench.fleet import Fleet, SimFleetProcess
 from trimtab_dev.bench.options import (
@@ -53,6 +53,7 @@ from trimtab_dev.bench.runner import Counters, LoadPlan, LoadRun, measure
 from trimtab_dev.bench.samplers import samplers_for
 from trimtab_dev.bench.stack import PolicyStack
 from trimtab_dev.envoy_process import EnvoyError, envoy_binary
+from trimtab_dev.loadgen.runner import RequestRecord
 from trimtab_dev.loadgen.workload import Workload, WorkloadError, load_workload
 from trimtab_dev.sim.fleet import FleetError, load_fleet
 from xds_server import __version__
@@ -129,6 +130,7 @@ def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
     sim = SimFleetProcess(s.fleet, model, out)
     entries: dict[str, Any] = {}
     ttfts: dict[str, list[float]] = {}
+    records: dict[str, list[RequestRecord]] = {}
     try:
         fleet = sim.start()
         log(f"fleet up (pid {sim.child.pid}): " + ", ".join(
@@ -138,6 +140,7 @@ def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
             run = run_policy(policy, fleet, w, s)
             entries[policy] = report.policy_entry(run, s.plan(), f"envoy:{policy}", fleet, drain)
             ttfts[policy] = report.ttft_values(run, s.plan())
+            records[policy] = run.records
             report.write_records(run, out / f"records-{policy}.jsonl")
             log(f"{policy}: done, {run.unfinished} unfinished")
     finally:
@@ -146,6 +149,7 @@ def run_all(s: BenchSettings, w: Workload, model: str) -> dict[str, Any]:
            "policies": entries,
            "comparison": report.comparison(entries, s.homogeneous, s.tolerance,
                                           s.auto_classes)}
+    surge.add_surge(doc, records, s.plan())
     report.write_json(doc, out / "bench.json")
     if not report.write_png(doc, ttfts, out / "bench.png"):
         log("matplotlib is not installed: no bench.png (pip install matplotlib)")
@@ -176,8 +180,9 @@ def rereport(out: Path) -> dict[str, Any]:
     c = doc["config"]
     plan = LoadPlan(c["rate"], c["warmup"], c["duration"], c["seed"], c["tail"])
     ttfts: dict[str, list[float]] = {}
+    runs: dict[str, list[RequestRecord]] = {}
     for policy, entry in doc["policies"].items():
-        records = report.read_records(out / f"records-{policy}.jsonl")
+        records = runs[policy] = report.read_records(out / f"records-{policy}.jsonl")
         started = entry["summary"]["started_unix"] - plan.warmup
         run = LoadRun(records, plan.total, entry["client"], 0, started)
         entry["summary"] = report.policy_summary(run, plan, f"envoy:{policy}")
@@ -186,6 +191,7 @@ def rereport(out: Path) -> dict[str, Any]:
         doc["policies"], bool(c.get("homogeneous", False)),
         float(c.get("tolerance", report.HOMOGENEOUS_TOLERANCE)),
         bool(c.get("auto_classes", False)))
+    surge.add_surge(doc, runs, plan)
     report.write_json(doc, out / "bench.json")
     report.write_png(doc, ttfts, out / "bench.png")
     return doc
@@ -303,6 +309,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     try:
         w = load_workload(args.workload)
+        if args.surge_start is not None:
+            w = surge.with_start(w, args.surge_start)
         spec = load_fleet(args.fleet)
         s = settings_from(args, w, spec)
     except (WorkloadError, FleetError, ValueError) as exc:

@@ -6,7 +6,7 @@ import argparse
 from dataclasses import dataclass, field
 from typing import Any
 
-from trimtab_dev.bench import envoy_configs, report
+from trimtab_dev.bench import envoy_configs, report, surge
 from trimtab_dev.bench.runner import (
     LoadPlan,
 )
@@ -38,6 +38,7 @@ class BenchSettings:
     queueing: dict[str, Any] = field(default_factory=dict)
     auto_classes: bool = False
     active_request_bias: float | None = None
+    surge: dict[str, Any] | None = None  # surge.SurgeSpec.to_dict() for a surge workload
 
     def plan(self) -> LoadPlan:
         return LoadPlan(self.rate, self.warmup, self.duration, self.seed, self.tail)
@@ -149,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--auto-classes", action="store_true",
                    help="trimtab only: long_context: auto (prompt-size classes derived from "
                         "the servers' KV capacities); excludes --long-context-tokens")
+    p.add_argument("--surge-start", type=float, metavar="S",
+                   help="a surge workload: start the surge S seconds after the schedule's "
+                        "first instant (the warm-up included) instead of its start_s")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild bench.json/png and the table from --out's records; run nothing")
@@ -163,7 +167,7 @@ def fleet_is_homogeneous(spec: FleetSpec) -> bool:
 
 
 def settings_from(args: argparse.Namespace, w: Workload,
-                  spec: FleetSpec | None = None) -> BenchSettings:
+                  fleet: FleetSpec | None = None) -> BenchSettings:
     warmup = args.warmup if args.warmup is not None else max(5.0, 0.1 * args.duration)
     if warmup < 0 or args.tail < 0:
         raise ValueError("--warmup and --tail must be >= 0")
@@ -174,7 +178,8 @@ def settings_from(args: argparse.Namespace, w: Workload,
     if (args.long_context_tokens or args.auto_classes) and not w.realistic_bodies:
         raise ValueError("--long-context-tokens routes on content-length: the workload needs "
                          "realistic_bodies: true")
-    return BenchSettings(
+    spec = surge.spec_of(w, args.interval)
+    settings = BenchSettings(
         fleet=args.fleet, workload=args.workload, policies=tuple(args.policies),
         duration=args.duration, warmup=warmup, tail=args.tail, rate=args.rate or w.rate,
         seed=w.seed if args.seed is None else args.seed, weights=args.weights,
@@ -184,5 +189,7 @@ def settings_from(args: argparse.Namespace, w: Workload,
         lb_policy=args.lb_policy, queueing=dict(args.queueing),
         auto_classes=args.auto_classes, active_request_bias=args.active_request_bias,
         homogeneous=(args.targets == "homogeneous" if args.targets != "auto"
-                     else spec is not None and fleet_is_homogeneous(spec)),
-        tolerance=args.tolerance)
+                     else fleet is not None and fleet_is_homogeneous(fleet)),
+        tolerance=args.tolerance, surge=spec.to_dict() if spec else None)
+    surge.check_plan(spec, settings.plan())
+    return settings

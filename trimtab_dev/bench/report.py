@@ -345,6 +345,8 @@ def target_lines(report: Mapping[str, Any]) -> list[str]:
     if cmp.get("target_set") == "homogeneous":
         lines = [f"targets (homogeneous fleet): trimtab no worse than least_request within "
                  f"noise, tolerance {cmp['tolerance']:g}"]
+    elif cmp.get("target_set") == "surge":
+        lines = ["targets (surge, issue 23's)"]
     else:
         lines = [f"targets ({cmp.get('target_set', 'heterogeneous')} fleet, issue 11's)"]
     for t in cmp["targets"]:
@@ -372,6 +374,10 @@ def print_report(report: Mapping[str, Any]) -> None:
     tables = [(title, LATENCY_COLUMNS, latency_rows(report)),
               ("measurement health (load generator, simulator)", HEALTH_COLUMNS,
                health_rows(report))]
+    if report["comparison"].get("surge"):
+        from trimtab_dev.bench.surge_tables import surge_tables
+
+        tables.extend(surge_tables(report))
     try:
         from rich.console import Console
         from rich.table import Table

@@ -43,11 +43,30 @@ def spread(docs: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
             goal["of"] += t["met"] is not None
     for goal in goals.values():
         goal.update(_stats(goal.pop("values")))
-    return {"seeds": list(docs), "ratios": ratios, "targets": goals}
+    out = {"seeds": list(docs), "ratios": ratios, "targets": goals}
+    if any("surge" in cmp for cmp in cmps):
+        out["surge"] = surge_spread(cmps)
+    return out
+
+
+SURGE_FIGURES = ("goodput", "good_tokens_per_s", "served_ttft_p99", "refused", "refusal_p99",
+                 "refusals_openai_retry_after_fraction", "recovery_s",
+                 "after_surge_within_slo", "errors")
+
+
+def surge_spread(cmps: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per policy, min/median/max over the seeds of every surge figure (recovery_s: over
+    the seeds that recovered; ``n`` says how many)."""
+    policies = {p: None for cmp in cmps for p in cmp.get("surge", {}).get("metrics", {})}
+    return {p: {key: _stats([cmp["surge"]["metrics"][p][key] for cmp in cmps
+                             if p in cmp.get("surge", {}).get("metrics", {})])
+                for key in SURGE_FIGURES}
+            for p in policies}
 
 
 SPREAD_COLUMNS = ("policy", "ratio", "min", "median", "max", "seeds")
-SPREAD_TABLE = ("ttft_p50", "ttft_p99", "output_tokens_per_s")  # the rest: spread.json
+SPREAD_TABLE = ("ttft_p50", "ttft_p99", "output_tokens_per_s", "goodput",
+                "good_tokens_per_s")  # the rest: spread.json
 
 
 def spread_rows(doc: Mapping[str, Any]) -> list[list[str]]:
@@ -62,9 +81,11 @@ def spread_rows(doc: Mapping[str, Any]) -> list[list[str]]:
     return rows
 
 
+def num(v: float | None) -> str:
+    return "-" if v is None else f"{v:.3g}"
+
+
 def spread_lines(doc: Mapping[str, Any]) -> list[str]:
-    def num(v: float | None) -> str:
-        return "-" if v is None else f"{v:.3g}"
     def verdict(g: Mapping[str, Any]) -> str:
         return f"met on {g['met']} of {g['of']} seeds" if g["of"] else "n/a"
     return [f"{g['what']}: min {num(g['min'])} / median {num(g['median'])} / max "
@@ -75,4 +96,9 @@ def spread_lines(doc: Mapping[str, Any]) -> list[str]:
 def print_spread(doc: Mapping[str, Any]) -> None:
     seeds = ",".join(map(str, doc["seeds"]))
     print(f"\nspread over seeds {seeds}\n{plain_table(SPREAD_COLUMNS, spread_rows(doc))}")
+    if doc.get("surge"):
+        rows = [[p, key, *(num(st[k]) for k in ("min", "median", "max")), str(st["n"])]
+                for p, keys in doc["surge"].items() for key, st in keys.items() if st["n"]]
+        print(f"\nsurge figures over seeds {seeds}\n"
+              f"{plain_table(('policy', 'figure', 'min', 'median', 'max', 'seeds'), rows)}")
     print("\n".join(["", *spread_lines(doc)]), flush=True)
