@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -293,6 +295,52 @@ def test_a_classifier_that_dies_is_started_again(monkeypatch: pytest.MonkeyPatch
     asyncio.run(scenario())
 
 
+@pytest.mark.slow  # starts the classifier process
+def test_a_stopped_classifier_is_logged_killed_and_started_again(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import xds_server.classify_server as embedded
+
+    monkeypatch.setattr(embedded, "RESTART_AFTER_S", 0.2)
+    port = free_port()
+
+    async def scenario() -> tuple[int, bool, bool, float]:
+        classifier = EmbeddedClassifier()
+        await classifier.start(_config(port))
+        stopped = classifier._child.pid if classifier._child else None
+        assert stopped is not None
+        restarts = _metric("trimtab_classifier_embedded_restarts_total")
+        try:
+            os.kill(stopped, signal.SIGSTOP)
+            started, went_down, refused = time.monotonic(), False, False
+            while time.monotonic() - started < 20:
+                went_down |= _metric("trimtab_classifier_embedded_up") == 0.0
+                refused |= went_down and _refuses_connections(port)  # Envoy fails open fast
+                if _metric("trimtab_classifier_embedded_restarts_total") > restarts:
+                    break
+                await asyncio.sleep(0.02)
+            took = time.monotonic() - started
+            assert _metric("trimtab_classifier_embedded_restarts_total") == restarts + 1
+            assert classifier._child is not None and classifier._child.pid != stopped
+            assert _metric("trimtab_classifier_embedded_up") == 1.0
+            assert await asyncio.to_thread(tier_of, port, "python please") == "code"
+            return stopped, went_down, refused, took
+        finally:
+            if classifier._child is not None and classifier._child.pid == stopped:
+                os.kill(stopped, signal.SIGCONT)  # not replaced: let close() stop it quickly
+            await classifier.close()
+
+    with caplog.at_level(logging.INFO, logger="trimtab.classify"):
+        stopped, went_down, refused, took = asyncio.run(scenario())
+    assert went_down, "trimtab_classifier_embedded_up stayed 1 while the child was stopped"
+    assert refused, "the port kept accepting connections nobody answered until the restart"
+    assert not _running(stopped), "the stopped classifier was left behind"
+    errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [f"the embedded classifier (pid {stopped}) did not answer a health "
+                      f"check within 1 s: killed, starting a new one in 0.2 s (Envoy fails "
+                      f"open meanwhile)"], errors
+    assert took < 10, f"detected and replaced after {took:.1f} s"
+
+
 PARENT = """
 import asyncio, os, signal, sys
 from xds_server.classify_server import EmbeddedClassifier
@@ -384,3 +432,23 @@ def test_learned_tiers_count_as_tiers_and_the_factory_key_is_checked() -> None:
     bad = _learned_document(18200, learned="not a module path")
     with pytest.raises(ConfigError, match=r"classifier\.learned"):
         parse_config(bad)
+
+
+def test_restarts_back_off_and_a_stable_child_resets_the_backoff() -> None:
+    from xds_server.classify_server import (
+        MAX_RESTART_AFTER_S,
+        RESTART_AFTER_S,
+        STABLE_AFTER_S,
+        _Backoff,
+    )
+
+    backoff = _Backoff()
+    waits = [backoff.next_wait() for _ in range(8)]
+    assert waits[:3] == [RESTART_AFTER_S, 2 * RESTART_AFTER_S, 4 * RESTART_AFTER_S]
+    assert waits[-1] == MAX_RESTART_AFTER_S and waits == sorted(waits)
+    backoff.healthy(100.0)
+    backoff.healthy(100.0 + STABLE_AFTER_S / 2)
+    assert backoff.next_wait() == MAX_RESTART_AFTER_S  # not stable long enough
+    backoff.healthy(200.0)
+    backoff.healthy(200.0 + STABLE_AFTER_S)
+    assert backoff.next_wait() == RESTART_AFTER_S
