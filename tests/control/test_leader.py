@@ -297,3 +297,48 @@ def test_the_loop_learns_of_a_lost_lease_at_the_deadline_though_the_thread_is_st
         a.stop(release=False)
     assert flipped_at - cut_at <= 1.0 + SAMPLING_SLACK_S  # the deadline, not the 3 s timeout
     assert [leading for _, leading in changes] == [True, False]
+
+
+def _claim_forever(spec: dict[str, Any]) -> None:
+    spec["holderIdentity"] = "ghost\nwith a newline " + "x" * 5000
+    spec["leaseDurationSeconds"] = 2**31 - 1
+
+
+def test_a_lease_claiming_a_huge_duration_is_taken_over_at_the_cap(
+        kube: FakeKube, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 26 §6: a holder that claims leaseDurationSeconds 2^31-1 and never renews kept
+    every replica from leading; its claim counts for at most 10 x our lease_seconds."""
+    a = elector(kube.host, "a", Clock())
+    a.step()
+    kube.modify("leases", NAME, lambda obj: _claim_forever(obj["spec"]), NS)
+    clock = Clock()
+    b = elector(kube.host, "b", clock)
+    with caplog.at_level("WARNING", logger="trimtab.leader"):
+        assert b.step() is False  # held: B sees it change now
+        clock.advance(10 * LEASE_S - 0.1)
+        assert b.step() is False  # within the cap: still the ghost's
+        clock.advance(0.2)
+        assert b.step() is True and b.is_leader()
+    spec = lease(kube)["spec"]
+    assert spec["holderIdentity"] == "b" and spec["leaseDurationSeconds"] == LEASE_S
+    capped = [r.getMessage() for r in caplog.records if "claims leaseDurationSeconds" in
+              r.getMessage()]
+    assert len(capped) == 1, capped  # once per claim, not every retry
+    assert f"claims leaseDurationSeconds {2**31 - 1}; counting at most {10 * LEASE_S}" in \
+        capped[0]
+    assert "\n" not in capped[0] and len(capped[0]) < 400  # the holder bounded and escaped
+    assert b.max_peer_lease_seconds == 10 * LEASE_S
+
+
+def test_a_claim_within_the_cap_is_honoured_as_claimed(kube: FakeKube) -> None:
+    a = elector(kube.host, "a", Clock())
+    a.step()
+    kube.modify("leases", NAME, lambda obj: obj["spec"].update(leaseDurationSeconds=2 * LEASE_S),
+                NS)
+    clock = Clock()
+    b = elector(kube.host, "b", clock)
+    assert b.step() is False
+    clock.advance(2 * LEASE_S - 0.1)
+    assert b.step() is False  # longer than B's own lease_seconds, and honoured
+    clock.advance(0.2)
+    assert b.step() is True

@@ -16,7 +16,10 @@ without a timeout (a black-holed link hangs it for ever) and measures time on th
   ``leaseDurationSeconds`` *as measured on this replica's monotonic clock from when this
   replica saw it change* (client-go's observedTime): the holder's ``renewTime`` is never
   compared with our clock, so clock skew between replicas does not matter. A Lease without a
-  holder (released) is taken at once. Every write is a replace carrying the read
+  holder (released) is taken at once. The duration a holder's Lease claims counts for at most
+  ``MAX_PEER_LEASE_FACTOR`` times our own ``lease_seconds``: a Lease that claims
+  ``leaseDurationSeconds: 2147483647`` and is never renewed expires after that cap, as this
+  replica measures it, instead of keeping every replica from leading. Every write is a replace carrying the read
   ``resourceVersion``: a 409 ``Conflict`` means another replica wrote first, and this attempt
   fails (nothing is overwritten).
 - **Lead.** A replica leads until ``renew_deadline`` after the *start* of its last successful
@@ -59,6 +62,10 @@ log = logging.getLogger("trimtab.leader")
 
 LEASE_API_VERSION = "coordination.k8s.io/v1"
 HTTP_NOT_FOUND, HTTP_CONFLICT = 404, 409
+# A holder's claimed leaseDurationSeconds counts for at most this many of our lease_seconds
+# (replicas of one deployment claim the same; a rolling update may change it within this).
+MAX_PEER_LEASE_FACTOR = 10
+MAX_SHOWN_HOLDER_CHARS = 128  # of a holder identity in a log line
 # What a failed API call raises: the API's error Status, or the transport's (timeouts,
 # refused or reset connections), or a body that is not JSON.
 API_ERRORS = (ApiException, urllib3.exceptions.HTTPError, OSError, ValueError)
@@ -90,6 +97,15 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def shown_holder(holder: str | None) -> str:
+    """A holder identity (any replica's, or anyone's who can write the Lease) as it may
+    appear in a log line: bounded and escaped."""
+    if holder is None:
+        return "nobody"
+    shown = repr(holder[:MAX_SHOWN_HOLDER_CHARS])
+    return shown + ("..." if len(holder) > MAX_SHOWN_HOLDER_CHARS else "")
+
+
 def coordination_api_client(api_server: str | None) -> k8s_client.ApiClient:
     """An ApiClient like :func:`make_api_client`'s, with urllib3's own retries off: an
     attempt must end within its timeout, the elector retries on its own schedule."""
@@ -113,8 +129,8 @@ class LeaseRecord:
     def of(cls, lease: dict[str, Any]) -> LeaseRecord:
         spec = lease.get("spec") or {}
         duration = spec.get("leaseDurationSeconds")
-        return cls(spec.get("holderIdentity") or None,
-                   duration if isinstance(duration, int) and duration > 0 else None,
+        usable = isinstance(duration, int) and not isinstance(duration, bool) and duration > 0
+        return cls(spec.get("holderIdentity") or None, duration if usable else None,
                    spec.get("acquireTime"), spec.get("renewTime"),
                    int(spec.get("leaseTransitions") or 0))
 
@@ -163,6 +179,12 @@ class LeaseElector:
         self._delivered: LeaderState | None = None
         self._expiry: asyncio.TimerHandle | None = None
         self._pending = False
+        self._capped_claim: tuple[str | None, int] | None = None  # the last one logged
+
+    @property
+    def max_peer_lease_seconds(self) -> int:
+        """The most a holder's Lease may claim: ``MAX_PEER_LEASE_FACTOR * lease_seconds``."""
+        return MAX_PEER_LEASE_FACTOR * self.lease_seconds
 
     @classmethod
     def from_config(cls, config: KubernetesCoordinationConfig, **options: Any) -> LeaseElector:
@@ -257,8 +279,7 @@ class LeaseElector:
         if record.holder is not None and record.holder != self.identity:
             with self._lock:
                 self._leading_until = 0.0  # someone else holds it: not us, from now on
-            duration = record.duration_s or self.lease_seconds
-            if self._observed_at + duration > self.monotonic():
+            if self._observed_at + self._peer_duration(record) > self.monotonic():
                 return False  # held, and not expired as we measure it
         ours = record.holder == self.identity
         spec = {**(lease.get("spec") or {}),
@@ -267,6 +288,21 @@ class LeaseElector:
                 "renewTime": now,
                 "leaseTransitions": record.transitions + (0 if ours else 1)}
         return self._replace(lease, spec)
+
+    def _peer_duration(self, record: LeaseRecord) -> int:
+        """How long another holder's Lease lasts unchanged: its claim (our own duration when
+        it claims none), at most :attr:`max_peer_lease_seconds` (logged once per claim)."""
+        claimed = record.duration_s or self.lease_seconds
+        cap = self.max_peer_lease_seconds
+        if claimed <= cap:
+            return claimed
+        if self._capped_claim != (record.holder, claimed):
+            self._capped_claim = (record.holder, claimed)
+            log.warning("Lease %s/%s: holder %s claims leaseDurationSeconds %d; counting at "
+                        "most %d (%d x our lease_seconds %d): taken over once unchanged that "
+                        "long", self.namespace, self.name, shown_holder(record.holder),
+                        claimed, cap, MAX_PEER_LEASE_FACTOR, self.lease_seconds)
+        return cap
 
     def _create(self, now: str) -> bool:
         body = {"apiVersion": LEASE_API_VERSION, "kind": "Lease",
@@ -365,10 +401,10 @@ class LeaseElector:
             log.info("leading: %s holds Lease %s", self.identity, state.lease)
         elif previous is not None and previous.leading and not state.leading:
             log.warning("stopped leading (Lease %s; holder now %s%s)", state.lease,
-                        state.holder or "nobody",
+                        shown_holder(state.holder),
                         f"; last error: {state.last_error}" if state.last_error else "")
         elif not state.leading:
-            log.info("following: Lease %s held by %s", state.lease, state.holder or "nobody")
+            log.info("following: Lease %s held by %s", state.lease, shown_holder(state.holder))
         if self.on_change is not None:
             try:
                 self.on_change(state)
