@@ -154,3 +154,14 @@ def test_a_budget_change_is_a_runtime_update_not_a_cluster_update(stack) -> None
     for name in ("cluster_manager.cds.update_success", "cluster_manager.cluster_modified",
                  "cluster_manager.cluster_added", "cluster_manager.cluster_removed"):
         assert after.get(name, 0) == before.get(name, 0), name
+
+
+def test_the_budget_in_force_is_on_trimtabs_metrics(stack) -> None:
+    fleet, trimtab, envoy, port = stack
+    batch = wait_until(lambda: trimtab.metric("trimtab_admission_limit", cluster="adm",
+                                              priority="batch"),
+                       SETTLE_S, "the admission gauges", check=lambda v: v is not None)
+    interactive = trimtab.metric("trimtab_admission_limit", cluster="adm",
+                                 priority="interactive")
+    assert interactive is not None and batch is not None and 0 < batch < interactive
+    assert trimtab.metric("trimtab_admission_envoys", cluster="adm") == 1.0

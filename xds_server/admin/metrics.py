@@ -26,6 +26,15 @@ from weight_calculator.types import PoolWeights
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                     2.5, 5.0)
 
+ADMISSION_LIMIT = Gauge("trimtab_admission_limit",
+                        "Requests one Envoy may hold in flight to a cluster (its circuit-breaker "
+                        "limit over RTDS), by priority; absent: no budget, everything admitted",
+                        ["cluster", "priority"])
+ADMISSION_BUDGET = Gauge("trimtab_admission_budget",
+                         "A cluster's admission budget: requests in flight across every Envoy",
+                         ["cluster"])
+ADMISSION_ENVOYS = Gauge("trimtab_admission_envoys",
+                         "Envoys sharing a cluster's admission budget", ["cluster"])
 STREAMS = Gauge("trimtab_xds_streams", "Open xDS streams", ["api"])
 SUBSCRIPTIONS = Gauge("trimtab_xds_subscriptions",
                       "Resource types requested on open xDS streams (streams by type)",

@@ -304,6 +304,7 @@ class Controller:
         """Each admitting pool's budget from the weights just applied; the routes follow
         when a Retry-After changed."""
         self.admission = next_admission(self.config, self.weights, self.admission, self.envoys)
+        _export_admission(self.admission, self.config)
         self._sync_routes()
 
     def _record(self, address: str, result: ScrapeResult) -> ScrapeResult:
@@ -406,6 +407,17 @@ class Controller:
         if self._heap_frozen:  # what dies with this controller must be collectable again
             self._heap_frozen = False
             gc.unfreeze()
+
+
+def _export_admission(state: AdmissionState, config: Config) -> None:
+    """The budgets in force as gauges (`trimtab_admission_*`); clusters without one vanish."""
+    for gauge in (metrics.ADMISSION_LIMIT, metrics.ADMISSION_BUDGET, metrics.ADMISSION_ENVOYS):
+        gauge.clear()
+    for cluster, limits in state.limits(config).items():
+        metrics.ADMISSION_LIMIT.labels(cluster, "interactive").set(limits.interactive)
+        metrics.ADMISSION_LIMIT.labels(cluster, "batch").set(limits.batch)
+        metrics.ADMISSION_BUDGET.labels(cluster).set(state.budgets[cluster].in_flight or 0)
+        metrics.ADMISSION_ENVOYS.labels(cluster).set(state.envoys.get(cluster, 1))
 
 
 def freeze_startup_heap() -> bool:
