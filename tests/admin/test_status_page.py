@@ -291,7 +291,7 @@ for (const s of document.querySelectorAll('section.pool')) {
   for (const c of s.querySelectorAll('svg.chart circle.last-point'))
     out.points[pool + '/' + c.dataset.endpoint] = Number(c.dataset.weight);
 }
-for (const tr of document.querySelectorAll('#rollouts tbody tr'))
+for (const tr of document.querySelectorAll('#rollouts tbody tr[data-pool]'))
   out.rollouts[tr.dataset.pool] = Number(tr.dataset.percent);
 for (const tr of document.querySelectorAll('#nacks tbody tr.nack'))
   out.nacks.push(tr.textContent + ' ' + tr.nextElementSibling.textContent);
@@ -352,3 +352,99 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
             assert any(u.endswith("/static/app.js") for u in urls)
             assert any("/v1/history?since=" in u for u in urls)  # incremental polling
             assert [u for u in urls if not u.startswith(base + "/")] == []
+
+
+# ---- cross-site commands in headless Chromium (issue 26, finding 2) ------------------------------
+
+ATTACK_PAGE = """<!doctype html><html><body><form id="f" method="POST" target="sink" action="{url}">
+<input name="x" value="1"></form><script>
+(async () => {{
+  const url = "{url}";
+  const results = [];
+  for (const init of [{{method: "POST", mode: "no-cors"}},
+                      {{method: "POST", mode: "no-cors", body: "{{}}"}},
+                      {{method: "POST", mode: "no-cors", headers: {{"Content-Type": "text/plain"}}, body: "{{}}"}}]) {{
+    try {{ results.push((await fetch(url, init)).type); }} catch (e) {{ results.push("error " + e); }}
+  }}
+  try {{  // what the page's own buttons send, from here: the CORS preflight fails
+    await fetch(url, {{method: "POST", headers: {{"Content-Type": "application/json"}}, body: "{{}}"}});
+    results.push("json sent");
+  }} catch (e) {{ results.push("json blocked"); }}
+  const frame = document.createElement("iframe");
+  frame.name = "sink";
+  document.body.append(frame);
+  await new Promise((resolve) => {{ frame.onload = resolve; document.getElementById("f").submit(); }});
+  document.body.dataset.results = JSON.stringify(results);
+}})();
+</script></body></html>"""
+
+
+def recording(app: web.Application) -> list[tuple[str, str, int]]:
+    """(method, Sec-Fetch-Site, status) of every request `app` answers, from its outermost
+    middleware: what the browser actually sent, whatever the page reports."""
+    seen: list[tuple[str, str, int]] = []
+
+    @web.middleware
+    async def record(request: web.Request, handler: Any) -> web.StreamResponse:
+        response = await handler(request)
+        seen.append((request.method, request.headers.get("Sec-Fetch-Site", ""), response.status))
+        return response
+
+    app.middlewares.insert(0, record)
+    return seen
+
+
+def rollout_of(base: str, pool: str) -> dict[str, Any]:
+    return get_json(f"{base}/v1/rollouts")["rollouts"][pool]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists(CHROMIUM) or not os.path.exists(CHROMEDRIVER),
+                    reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)")
+def test_cross_origin_page_cannot_steer_a_rollout_but_the_page_can():
+    pytest.importorskip("selenium", reason="needs selenium (the dev extra)")
+    from selenium.webdriver.common.by import By
+
+    plane = make_plane()
+    app = plane.app()
+    seen = recording(app)
+    with serve(app) as (base, loop):
+        run_on(loop, plane.tick())
+        assert rollout_of(base, "qwen")["percent"] == 10.0
+        target = f"{base}/v1/rollouts/qwen/promote"
+
+        async def attack_page(request: web.Request) -> web.Response:
+            return web.Response(text=ATTACK_PAGE.format(url=target), content_type="text/html")
+
+        attacker = web.Application()
+        attacker.router.add_get("/", attack_page)
+        with serve(attacker) as (other, _), chromium() as driver:
+            assert other != base
+            driver.get(f"{other}/")
+            results = wait_until(lambda: driver.execute_script(
+                "return document.body.dataset.results || null;"), 10, "the attack page's requests")
+            posts = wait_until(lambda: [s for s in seen if s[0] == "POST"], 5, "the form's POST",
+                               check=lambda p: len(p) == 4)
+            assert json.loads(results) == ["opaque", "opaque", "opaque", "json blocked"]
+            assert posts == [("POST", "same-site", 403)] * 4, posts  # 127.0.0.1 on another port
+            assert ("OPTIONS", "same-site", 405) in seen  # the preflight, refused
+            after = rollout_of(base, "qwen")
+            assert (after["phase"], after["percent"]) == ("progressing", 10.0)
+
+            seen.clear()
+            driver.get(f"{base}/")
+            pause = wait_until(lambda: driver.find_elements(
+                By.CSS_SELECTOR, '#rollouts button[data-pool="qwen"][data-action="pause"]'), 8,
+                "the pause button")
+            pause[0].click()
+            wait_until(lambda: rollout_of(base, "qwen")["phase"], 5, "paused", check="paused".__eq__)
+            promote = wait_until(lambda: driver.find_elements(
+                By.CSS_SELECTOR, '#rollouts button[data-pool="qwen"][data-action="promote"]'), 5,
+                "the promote button")
+            promote[0].click()
+            driver.switch_to.alert.accept()  # "Promote qwen: send all of its traffic to the canary?"
+            wait_until(lambda: rollout_of(base, "qwen")["percent"], 5, "promoted", check=(100.0).__eq__)
+            page = wait_for_page(driver, lambda p: p["rollouts"] == {"qwen": 100})
+            assert page["rollouts"] == {"qwen": 100}
+            assert "promote qwen: promoted at 100%" in driver.find_element(By.ID, "rollout-result").text
+            assert [s for s in seen if s[0] == "POST"] == [("POST", "same-origin", 200)] * 2

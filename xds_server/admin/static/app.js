@@ -14,9 +14,22 @@
   const PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2",
     "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#8cd17d"];
 
+  // The commands each rollout phase accepts (xds_server/control/rollouts/machine.py: command).
+  const PHASE_COMMANDS = {
+    progressing: ["pause", "promote", "abort"],
+    paused: ["resume", "promote", "abort"],
+    rolled_back: ["resume", "promote", "abort"],
+    aborted: ["resume", "promote"],
+    promoted: [],
+  };
+  const CONFIRM = {
+    promote: (pool) => `Promote ${pool}: send all of its traffic to the canary?`,
+    abort: (pool) => `Abort ${pool}: send all of its traffic back to stable?`,
+  };
+
   const state = {
     points: [], latestAt: null, latestSeenMs: Date.now(), weights: null, config: null,
-    nacks: null, rollouts: null, polls: 0, hover: new Map(), errors: [],
+    nacks: null, rollouts: null, polls: 0, hover: new Map(), errors: [], pendingPool: null,
   };
 
   // ---- small DOM helpers -------------------------------------------------------------------
@@ -76,6 +89,17 @@
     const response = await fetch(path, { cache: "no-store" });
     if (!response.ok) throw new Error(`${path}: HTTP ${response.status}`);
     return response.json();
+  }
+
+  async function postJson(path) {
+    // A request that changes state must be JSON (xds_server/security/admin_origin.py): a page on
+    // another site cannot send that type without a CORS preflight, which the admin API refuses.
+    const response = await fetch(path, {
+      method: "POST", cache: "no-store", headers: { "Content-Type": "application/json" }, body: "{}",
+    });
+    const body = await response.json().catch(() => null);
+    if (!response.ok) throw new Error(body?.error?.message || `HTTP ${response.status}`);
+    return body;
   }
 
   async function poll() {
@@ -425,8 +449,43 @@
     const names = Object.keys(rollouts).sort();
     document.getElementById("rollouts-empty").hidden = names.length > 0;
     document.getElementById("rollouts").hidden = names.length === 0;
-    const rows = names.map((name) => rolloutRow(name, rollouts[name]));
+    const rows = names.flatMap((name) => [rolloutRow(name, rollouts[name]),
+      rolloutCommands(name, rollouts[name].phase)]);
     replaceIfChanged(document.querySelector("#rollouts tbody"), rows);
+  }
+
+  function rolloutCommands(name, phase) {
+    // A second row under the rollout's: the commands its phase accepts (none once promoted).
+    const busy = state.pendingPool === name;
+    return el("tr", { class: "rollout-commands", "data-commands-for": name },
+      el("td", { colspan: 5, class: "commands" }, ...(PHASE_COMMANDS[phase] || []).map((action) =>
+        el("button", { type: "button", "data-pool": name, "data-action": action, disabled: busy }, action))));
+  }
+
+  async function onRolloutClick(event) {
+    const button = event.target.closest("button[data-action]");
+    if (!button || state.pendingPool !== null) return;
+    const { pool, action } = button.dataset;
+    if (CONFIRM[action] && !window.confirm(CONFIRM[action](pool))) return;
+    state.pendingPool = pool;
+    renderRollouts();
+    try {
+      const result = await postJson(`/v1/rollouts/${encodeURIComponent(pool)}/${encodeURIComponent(action)}`);
+      state.rollouts = { ...(state.rollouts || {}), ...(result.rollouts || {}) };
+      showCommandResult(`${action} ${pool}: ${result.phase.replace("_", " ")} at ${fmtNumber(result.percent)}%`, false);
+    } catch (error) {
+      showCommandResult(`${action} ${pool} refused: ${error.message}`, true);
+    } finally {
+      state.pendingPool = null;
+      renderRollouts();
+    }
+  }
+
+  function showCommandResult(text, bad) {
+    const node = document.getElementById("rollout-result");
+    node.className = bad ? "command-result bad" : "command-result";
+    node.textContent = text;
+    node.hidden = false;
   }
 
   function rolloutRow(name, r) {
@@ -480,5 +539,6 @@
     resizeQueued = true;
     requestAnimationFrame(() => { resizeQueued = false; if (state.weights) renderPools(); });
   });
+  document.querySelector("#rollouts tbody").addEventListener("click", onRolloutClick);
   loop();
 })();
