@@ -154,6 +154,81 @@ def test_unknown_pool_is_not_found_on_every_rpc():
     run(body)
 
 
+def test_an_unknown_pool_error_names_the_pool_and_a_count_not_every_pool():
+    async def body():
+        source = InMemoryScaleSource({f"secret-pool-{i}": PoolScale(1) for i in range(50)})
+        server, port = await start_scaler_server(ExternalScalerServicer(source), "127.0.0.1:0")
+        try:
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb2_grpc.ExternalScalerStub(channel)
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await stub.IsActive(ref("mistral-7b"), timeout=5)
+        finally:
+            await server.stop(None)
+        assert info.value.code() == grpc.StatusCode.NOT_FOUND
+        details = info.value.details()
+        assert "'mistral-7b'" in details and "50 pools" in details
+        assert "secret-pool" not in details
+    asyncio.run(body())
+
+
+def _oversized():
+    from xds_server.keda import bounds
+
+    many = {f"k{i}": "v" for i in range(bounds.MAX_METADATA_ENTRIES)}
+    long_name = "n" * (bounds.MAX_NAME_CHARS + 1)
+    return [
+        (ref(**many), f"scalerMetadata: {bounds.MAX_METADATA_ENTRIES + 1} entries, over the "
+                      f"limit of {bounds.MAX_METADATA_ENTRIES}"),
+        (ref(**{"k" * 300: "v"}), f"scalerMetadata key: 300 chars, over the limit of "
+                                  f"{bounds.MAX_METADATA_KEY_CHARS}"),
+        (ref(caCert="c" * (bounds.MAX_METADATA_VALUE_CHARS + 1)),
+         f"scalerMetadata['caCert']: {bounds.MAX_METADATA_VALUE_CHARS + 1} chars, over the "
+         f"limit of {bounds.MAX_METADATA_VALUE_CHARS}"),
+        (pb2.ScaledObjectRef(name=long_name, namespace="m", scalerMetadata={"pool": "idle"}),
+         f"scaledObjectRef.name: {bounds.MAX_NAME_CHARS + 1} chars, over the limit of "
+         f"{bounds.MAX_NAME_CHARS}"),
+        (ref("p" * (bounds.MAX_POOL_CHARS + 1)), f"at most {bounds.MAX_POOL_CHARS} chars"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_metadata_over_its_bounds_is_invalid_argument_naming_field_and_limit(case):
+    bad_ref, needle = _oversized()[case]
+
+    async def body(stub, source):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetMetricSpec(bad_ref, timeout=5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in info.value.details()
+        assert len(info.value.details()) < 300  # a peer's string is quoted bounded
+    run(body)
+
+
+def test_a_long_metric_name_and_control_characters_are_refused_bounded_and_escaped():
+    async def body(stub, source):
+        request = pb2.GetMetricsRequest(scaledObjectRef=ref(), metricName="m" * 10_000)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.GetMetrics(request, timeout=5)
+        assert info.value.details() == "metricName: 10000 chars, over the limit of 512"
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.IsActive(ref("a\nfake log line\x1b[31m" + "x" * 200), timeout=5)
+        details = info.value.details()
+        assert "\n" not in details and "\x1b" not in details
+        assert "'a\\nfake log line\\x1b[31m" in details and "(220 chars)" in details
+    run(body)
+
+
+def test_a_message_over_the_limit_is_refused_by_grpc():
+    from xds_server.keda.bounds import MAX_MESSAGE_BYTES
+
+    async def body(stub, source):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.IsActive(ref(big="b" * MAX_MESSAGE_BYTES), timeout=5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    run(body)
+
+
 def test_a_port_in_use_is_an_error():
     async def body():
         source = InMemoryScaleSource()

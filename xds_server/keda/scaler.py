@@ -16,8 +16,12 @@ tolerance and stabilisation windows on top of trimtab's cooldowns; set
 report ``is_active(pool)``, which KEDA uses for scaling to and from zero.
 
 Errors: missing or malformed ``scalerMetadata.pool`` (or a missing ``scaledObjectRef``, or a
-``metricName`` that is not ours) -> ``INVALID_ARGUMENT``; a pool the source does not know ->
-``NOT_FOUND``. Other metadata keys (KEDA also passes ``scalerAddress``) are ignored.
+``metricName`` that is not ours, or anything over a bound of `xds_server.keda.bounds`: the
+ScaledObject's name and namespace, the metadata's entries, keys and values, the message) ->
+``INVALID_ARGUMENT`` naming the field and the limit; a pool the source does not know ->
+``NOT_FOUND`` naming it and how many pools there are (not which). Other metadata keys (KEDA
+also passes ``scalerAddress``) are ignored. An error quotes a client's string bounded and
+escaped (`bounds.shown`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,13 @@ import grpc
 
 from xds_server.keda import externalscaler_pb2 as pb2
 from xds_server.keda import externalscaler_pb2_grpc as pb2_grpc
+from xds_server.keda.bounds import (
+    MAX_MESSAGE_BYTES,
+    MAX_METRIC_NAME_CHARS,
+    MAX_POOL_CHARS,
+    ref_problem,
+    shown,
+)
 
 log = logging.getLogger("trimtab.keda")
 
@@ -124,15 +135,20 @@ class ExternalScalerServicer(pb2_grpc.ExternalScalerServicer):
         self.source = source
 
     async def _pool_of(self, ref: pb2.ScaledObjectRef, context: grpc.aio.ServicerContext) -> str:
+        problem = ref_problem(ref)
+        if problem is not None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         if POOL_METADATA_KEY not in ref.scalerMetadata:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"scalerMetadata.{POOL_METADATA_KEY} is required (the trimtab "
-                                f"pool to scale); ScaledObject {ref.namespace}/{ref.name}")
+                                f"pool to scale); ScaledObject "
+                                f"{shown(ref.namespace)}/{shown(ref.name)}")
         pool = ref.scalerMetadata[POOL_METADATA_KEY]
-        if _malformed(pool):
+        if _malformed(pool) or len(pool) > MAX_POOL_CHARS:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"scalerMetadata.{POOL_METADATA_KEY}: expected a pool name "
-                                f"without whitespace, got {pool!r}")
+                                f"without whitespace, at most {MAX_POOL_CHARS} chars, got "
+                                f"{shown(pool)}")
         await self._check_known(pool, context)
         return pool
 
@@ -140,7 +156,8 @@ class ExternalScalerServicer(pb2_grpc.ExternalScalerServicer):
         known = self.source.pool_names()
         if pool not in known:
             await context.abort(grpc.StatusCode.NOT_FOUND,
-                                f"unknown pool {pool!r}; known pools: {sorted(known)}")
+                                f"unknown pool {shown(pool)}: trimtab has {len(known)} pools "
+                                f"and none by that name (see its /v1/weights)")
 
     async def IsActive(self, request: pb2.ScaledObjectRef,
                        context: grpc.aio.ServicerContext) -> pb2.IsActiveResponse:
@@ -171,12 +188,16 @@ class ExternalScalerServicer(pb2_grpc.ExternalScalerServicer):
                          context: grpc.aio.ServicerContext) -> pb2.GetMetricsResponse:
         if not request.HasField("scaledObjectRef"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "scaledObjectRef is required")
+        if len(request.metricName) > MAX_METRIC_NAME_CHARS:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"metricName: {len(request.metricName)} chars, over the limit "
+                                f"of {MAX_METRIC_NAME_CHARS}")
         pool = await self._pool_of(request.scaledObjectRef, context)
         name = metric_name(pool)
         if request.metricName not in ("", name):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"unknown metricName {request.metricName!r} for pool {pool!r}; "
-                                f"expected {name!r}")
+                                f"unknown metricName {shown(request.metricName)} for pool "
+                                f"{shown(pool)}; expected {shown(name)}")
         desired = max(0, int(self.source.desired_replicas(pool)))
         score = self.source.score(pool)
         log.debug("KEDA GetMetrics %s: desired %d, score %s", pool, desired,
@@ -194,9 +215,11 @@ async def start_scaler_server(
 
     ``configure`` runs before the server starts, e.g. to add health and reflection with
     `xds_server.xds.health.add_health_and_reflection`. SO_REUSEPORT is off, so a port
-    already in use raises OSError instead of silently sharing it with another process.
+    already in use raises OSError instead of silently sharing it with another process; a
+    message over `MAX_MESSAGE_BYTES` is refused by gRPC (RESOURCE_EXHAUSTED).
     """
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+                                      ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
     pb2_grpc.add_ExternalScalerServicer_to_server(servicer, server)
     if configure is not None:
         configure(server)
