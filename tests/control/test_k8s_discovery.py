@@ -288,3 +288,46 @@ def test_factory_uses_kubeconfig_outside_a_cluster(kube: FakeKube, tmp_path: Any
             watcher.api_client.close()
 
     asyncio.run(scenario())
+
+
+# -- addresses that can be no pod's (issue 26 §6) -----------------------------------------------
+
+NO_POD = ["0.0.0.0", "::", "127.0.0.1", "127.3.2.1", "::1", "169.254.169.254", "fe80::1",
+          "224.0.0.1", "ff02::1", "::ffff:127.0.0.1", "::ffff:169.254.169.254"]
+
+
+def test_unspecified_loopback_link_local_and_multicast_never_enter_the_set(
+        caplog: pytest.LogCaptureFixture) -> None:
+    from xds_server.control.discovery.kubernetes import RefusedAddresses
+
+    v4 = _model(_slice("v4", endpoint("10.0.0.1"),
+                       *(endpoint(a) for a in NO_POD if ":" not in a)))
+    v6 = _model(_slice("v6", endpoint("fd00::1"), *(endpoint(a) for a in NO_POD if ":" in a),
+                       address_type="IPv6"))
+    refused = RefusedAddresses()
+    with caplog.at_level("WARNING", logger="xds_server.control.discovery.kubernetes"):
+        for _ in range(3):  # the same slices read again (a re-list, a MODIFIED event)
+            merged = merge_endpoints([endpoints_of_slice(s, "http", refused) for s in (v4, v6)])
+    assert _addresses(merged) == ["10.0.0.1:8000", "[fd00::1]:8000"]
+    assert refused.total == 3 * len(NO_POD) and len(refused.addresses) == len(NO_POD)
+    lines = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(lines) == len(NO_POD)  # once per address, not per read
+    assert "EndpointSlice 'v4': endpoint 169.254.169.254:8000 refused, never sent to Envoy: " \
+           "a link-local address" in "\n".join(lines)
+
+
+def test_the_watcher_refuses_them_from_the_list_and_from_events(kube: FakeKube) -> None:
+    kube.apply(_slice("llm-a", endpoint("10.0.0.1"), endpoint("127.0.0.1"),
+                      endpoint("0.0.0.0")))
+
+    async def scenario() -> None:
+        async with _watching(kube) as watcher:
+            assert _addresses(watcher.current()) == ["10.0.0.1:8000"]
+            kube.apply(_slice("llm-b", endpoint("fe80::1"), endpoint("fd00::2"),
+                              address_type="IPv6"))
+            await wait_until_async(lambda: len(watcher.current()) == 2)
+            assert _addresses(watcher.current()) == ["10.0.0.1:8000", "[fd00::2]:8000"]
+            assert watcher.refused.addresses == {"127.0.0.1:8000", "0.0.0.0:8000",
+                                                 "[fe80::1]:8000"}
+
+    asyncio.run(scenario())

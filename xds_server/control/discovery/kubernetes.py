@@ -23,7 +23,11 @@ Health mapping (:attr:`DiscoveredEndpoint.health`), with the API's nil defaults 
 
 One address per endpoint (the first: the API defines no semantics for the rest), on the port
 named ``port_name`` (or the slice's only port when ``port_name`` is None). Slices without that
-port and FQDN addresses are skipped. An address in several slices (e.g. while slices are
+port and FQDN addresses are skipped. An address that can be no pod's is refused and never
+enters EDS: unspecified (``0.0.0.0``, ``::``), loopback (``127.0.0.0/8``, ``::1``: trimtab's
+own host, never a discovered pod), link-local (``169.254.0.0/16``, the cloud metadata
+service included, ``fe80::/10``) and multicast; each is logged at warning the first time it
+is seen and every refusal is counted (:class:`RefusedAddresses`). An address in several slices (e.g. while slices are
 being rebalanced) appears once, with its healthiest conditions.
 """
 
@@ -45,6 +49,7 @@ from kubernetes import config as k8s_config
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
+from xds_server.config.addresses import unroutable_reason
 from xds_server.envoy.clusters import DRAINING, HEALTHY
 
 log = logging.getLogger(__name__)
@@ -92,6 +97,27 @@ class Backoff:
         return ceiling * (0.5 + 0.5 * self.rand())
 
 
+MAX_LOGGED_REFUSALS = 1024  # distinct refused addresses remembered (and logged) per watcher
+
+
+@dataclass
+class RefusedAddresses:
+    """Discovered addresses refused because they can be no pod's: ``total`` counts every
+    refusal (each time a slice carrying one is read), ``addresses`` the distinct ones, each
+    logged at warning the first time (the first MAX_LOGGED_REFUSALS of them)."""
+
+    total: int = 0
+    addresses: set[str] = field(default_factory=set)
+
+    def refuse(self, slice_: str, address: str, reason: str) -> None:
+        self.total += 1
+        if address in self.addresses or len(self.addresses) >= MAX_LOGGED_REFUSALS:
+            return
+        self.addresses.add(address)
+        log.warning("EndpointSlice %r: endpoint %s refused, never sent to Envoy: %s",
+                    slice_[:253], address, reason)
+
+
 # -- mapping -----------------------------------------------------------------------------------
 
 def format_address(ip: str, port: int) -> str | None:
@@ -115,17 +141,24 @@ def select_port(slice_: Any, port_name: str | None) -> int | None:
     return next((p.port for p in ports if (p.name or "") == port_name), None)
 
 
-def endpoints_of_slice(slice_: Any, port_name: str | None) -> list[DiscoveredEndpoint]:
-    """Every endpoint of one V1EndpointSlice, routable or not."""
+def endpoints_of_slice(slice_: Any, port_name: str | None,
+                       refused: RefusedAddresses | None = None) -> list[DiscoveredEndpoint]:
+    """Every endpoint of one V1EndpointSlice, healthy or not, less the addresses that can be
+    no pod's (counted in ``refused``, a throwaway one when None)."""
     port = select_port(slice_, port_name)
     if port is None:
         log.warning("EndpointSlice %s has no port %r; skipping it", slice_name(slice_),
                     port_name)
         return []
+    refused = refused if refused is not None else RefusedAddresses()
     found = []
     for item in slice_.endpoints or []:
         address = format_address(item.addresses[0], port) if item.addresses else None
         if address is None:
+            continue
+        reason = unroutable_reason(item.addresses[0], allow_loopback=False)
+        if reason is not None:
+            refused.refuse(slice_name(slice_), address, reason)
             continue
         conditions = item.conditions
         ready = conditions is None or conditions.ready is not False
@@ -219,6 +252,7 @@ class EndpointSliceWatcher:
     resource_version: str | None = field(default=None, init=False)
     list_count: int = field(default=0, init=False)
     _listed_at: float = field(default=0.0, init=False, repr=False)
+    refused: RefusedAddresses = field(default_factory=RefusedAddresses, init=False)
 
     def __post_init__(self) -> None:
         self._api = k8s_client.DiscoveryV1Api(self.api_client)
@@ -335,7 +369,7 @@ class EndpointSliceWatcher:
         listing = self._api.list_namespaced_endpoint_slice(
             self.namespace, label_selector=self.label_selector,
             _request_timeout=self.request_timeout_s)
-        self._slices = {slice_name(item): endpoints_of_slice(item, self.port_name)
+        self._slices = {slice_name(item): endpoints_of_slice(item, self.port_name, self.refused)
                         for item in listing.items or []}
         self.resource_version = listing.metadata.resource_version if listing.metadata else None
         self._listed_at = time.monotonic()
@@ -370,7 +404,7 @@ class EndpointSliceWatcher:
         version = (raw.get("metadata") or {}).get("resourceVersion")
         kind, obj = event.get("type"), event.get("object")
         if kind in ("ADDED", "MODIFIED") and obj is not None:
-            self._slices[slice_name(obj)] = endpoints_of_slice(obj, self.port_name)
+            self._slices[slice_name(obj)] = endpoints_of_slice(obj, self.port_name, self.refused)
         elif kind == "DELETED" and obj is not None:
             self._slices.pop(slice_name(obj), None)
         if version:
