@@ -12,7 +12,9 @@ process's file descriptors, which xDS needs too) by opening connections and send
   traceback per failure otherwise).
 * The listening socket never sets SO_REUSEPORT: another socket cannot share the port.
 
-Every refusal and timeout is logged at most once per ``log_interval_s`` with a count.
+Refusals, header timeouts and idle timeouts are each logged at most once per
+``log_interval_s`` (whichever client), the line after a quiet spell saying how many were left
+out.
 """
 
 from __future__ import annotations
@@ -141,7 +143,7 @@ class GuardedConnection(asyncio.Protocol):
         self.peer = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
         refusal = self.guard.admit(self.peer)
         if refusal is not None:
-            self.guard.say(f"refused:{self.peer}", logging.WARNING,
+            self.guard.say("refused", logging.WARNING,
                            f"admin connection refused: {refusal}")
             transport.write(_service_unavailable(refusal))
             transport.close()
@@ -205,7 +207,7 @@ class GuardedConnection(asyncio.Protocol):
         reason = (f"no complete request header within {limits.header_timeout_s:g} s "
                   f"(header_timeout_s)" if what == "header" else
                   f"idle for {limits.idle_timeout_s:g} s (idle_timeout_s)")
-        self.guard.say(f"{what}:{self.peer}", logging.INFO,
+        self.guard.say(what, logging.INFO,
                        f"admin connection from {self.peer} closed: {reason}")
         if self.transport is not None:
             self.transport.abort()  # nothing worth flushing: no request, or a reader gone
