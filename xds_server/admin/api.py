@@ -149,9 +149,9 @@ class AdminApi:
         async def job() -> Callable[[], Encoded]:
             rows, current = await stream_rows(servicer, node), cache.snapshot
             return lambda: encode_snapshot(rows, current, limit)
-        # joins a build already running for the same node; each build copies the streams anew
-        slot = ("snapshot", node) if node is None or len(node) <= 1024 else ("snapshot", "")
-        return _encoded(await self._builds.get(slot, None, job))
+        # joins a build already running for the same node (an unversioned slot is dropped
+        # once built, so callers' node strings do not pile up); each build copies anew
+        return _encoded(await self._builds.get(("snapshot", node), None, job))
 
     async def nack_list(self, request: web.Request) -> web.Response:
         total = self.nacks.total if self.nacks else 0
