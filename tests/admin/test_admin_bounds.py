@@ -380,3 +380,39 @@ def test_throttled_says_how_many_lines_it_left_out():
 def test_connection_limits_must_be_positive(field: str):
     with pytest.raises(ValueError, match=f"{field} must be > 0"):
         ConnectionLimits(**{field: 0})
+
+
+def test_build_cache_keeps_only_versioned_builds_and_never_a_failed_one():
+    from xds_server.admin.builds import AdminWorker, BuildCache
+
+    async def scenario() -> tuple[list[str], int, list[str]]:
+        worker = AdminWorker()
+        cache: BuildCache[str] = BuildCache(worker)
+        calls: list[str] = []
+
+        def job(value: str, fail: bool = False):
+            async def make():
+                def work() -> str:
+                    calls.append(value)
+                    if fail:
+                        raise RuntimeError("boom")
+                    return value
+                return work
+            return make
+
+        version = (object(),)
+        got = [await cache.get(("a", None), version, job("v1")),
+               await cache.get(("a", None), version, job("v1 again")),  # reused
+               await cache.get(("b", "x"), None, job("live")),
+               await cache.get(("b", "x"), None, job("live again"))]  # not kept once done
+        with pytest.raises(RuntimeError):
+            await cache.get(("c", None), version, job("bad", fail=True))
+        got.append(await cache.get(("c", None), version, job("good")))
+        held = len(cache._entries)
+        worker.close()
+        return got, held, calls
+
+    got, held, calls = asyncio.run(scenario())
+    assert got == ["v1", "v1", "live", "live again", "good"]
+    assert calls == ["v1", "live", "live again", "bad", "good"]
+    assert held == 2  # "a" and "c"; the unversioned "b" was dropped
