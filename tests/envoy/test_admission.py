@@ -6,7 +6,7 @@ from __future__ import annotations
 from google.protobuf import json_format
 
 from weight_calculator.admission import PoolBudget
-from xds_server.config import parse_config
+from xds_server.config.load import parse_config
 from xds_server.control.admission import AdmissionState
 from xds_server.envoy.admission import ClusterLimits, retry_after_seconds, runtime_layer
 from xds_server.envoy.routes import build_route_config
