@@ -189,7 +189,7 @@ def _value(flat: Mapping[str, Mapping[str, Any]], metric: str, other: str | None
            slo_s: float) -> float | None:
     mine = flat["trimtab"][metric]
     if other is None:
-        return mine  # type: ignore[no-any-return]
+        return mine
     if other == "slo":
         return _ratio(mine, slo_s)
     return _ratio(mine, flat[other][metric]) if other in flat else None
