@@ -113,7 +113,7 @@ def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> Load
     """One policy: its Envoy (and trimtab) up, the load, everything stopped by PID."""
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
                         composite=s.composite, lb_policy=s.lb_policy, queueing=s.queueing,
-                        active_request_bias=s.active_request_bias,
+                        active_request_bias=s.active_request_bias, ttft_slo_s=w.ttft_slo_s,
                         long_context="auto" if s.auto_classes else long_context_for(
                             fleet, w, s.long_context_tokens, s.long_context_kv_factor))
     try:

@@ -190,8 +190,10 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
                    long_context: LongContext | str | None = None,
                    lb_policy: str = "least_request",
                    queueing: Mapping[str, Any] | None = None,
-                   active_request_bias: float | None = None) -> dict[str, Any]:
-    """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights.
+                   active_request_bias: float | None = None,
+                   ttft_slo_s: float | None = None) -> dict[str, Any]:
+    """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights;
+    with ``ttft_slo_s`` (the workload's), every pool's ``slo.ttft_seconds``: admission on.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
     (the product's 6 s at the default 2 s tick). ``composite`` overrides knobs of the
@@ -204,11 +206,15 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
         weights_section["composite"] = dict(composite)
     if queueing:
         weights_section["queueing"] = dict(queueing)
+    pools = _pools(model, addresses, long_context, lb_policy, active_request_bias)
+    if ttft_slo_s is not None:
+        for pool in pools:
+            pool["slo"] = {"ttft_seconds": ttft_slo_s}
     return {
         "xds": {"address": f"127.0.0.1:{xds_port}"},
         "admin": {"address": f"127.0.0.1:{admin_port}"},
         "listener": {"address": f"127.0.0.1:{listener_port}"},
         "telemetry": {"interval_seconds": interval, "stale_after_seconds": 3 * interval},
         "weights": weights_section,
-        "pools": _pools(model, addresses, long_context, lb_policy, active_request_bias),
+        "pools": pools,
     }
