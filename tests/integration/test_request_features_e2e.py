@@ -316,11 +316,11 @@ def test_circuit_breaker_overflow_answers_openai_json_with_retry_after(stack: St
     finally:
         stack.fleet.set_response_delay(index, 0.0)
     statuses = sorted(r.status for r in replies)
-    assert len(replies) == 6 and 200 in statuses and 503 in statuses, statuses
-    for reply in replies:
-        if reply.status == 503:
-            _assert_openai_error(reply, 503, "overloaded")
-            assert reply.headers["retry-after"] == str(RETRY_AFTER_S)
+    assert len(replies) == 6 and 200 in statuses and 429 in statuses, statuses
+    for reply in replies:  # over a circuit breaker: refused (429), not a dead upstream (503)
+        if reply.status == 429:
+            _assert_openai_error(reply, 429, "rate_limit_exceeded")
+            assert reply.headers["retry-after"] == str(RETRY_AFTER_S)  # the pool has no SLO
 
 
 def test_our_own_json_answers_are_left_alone(stack: Stack) -> None:
