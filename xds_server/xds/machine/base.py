@@ -11,16 +11,25 @@ from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.xds import encode as wire
 from xds_server.xds import type_urls
+from xds_server.xds.machine.bounds import bounded_text, check_each, check_node, check_text
 from xds_server.xds.machine.events import Ack, Event, Nack, Response, Withheld
 from xds_server.xds.machine.limits import ProtocolError, ResourceLimitExceeded, StreamLimits
 from xds_server.xds.machine.state import Rejections, TypeState
+from xds_server.xds.peer_text import shown, type_name
 from xds_server.xds.snapshot import Resource, Snapshot
 
 _ADS_RANK = {type_url: i for i, type_url in enumerate(type_urls.ADS_ORDER)}
 
 
-def _error_detail(status: object) -> str:
-    return getattr(status, "message", "") or f"code {getattr(status, 'code', '?')}"
+def _error_detail(status: object, limit: int) -> str:
+    """The NACK's text, truncated to `limit` bytes (Envoy's embed the rejected resource)."""
+    message = getattr(status, "message", "")
+    return bounded_text(message, limit) if message else f"code {getattr(status, 'code', '?')}"
+
+
+def names_size(names: Iterable[str]) -> int:
+    """The UTF-8 bytes of `names`, all together."""
+    return len("".join(names).encode("utf-8", "surrogatepass"))
 
 
 def part_version(version: str, rest: int) -> str:
@@ -52,6 +61,8 @@ class Stream:
         self.notices: list[Withheld] = []  # for the transport to log (`take_notices`)
         self._greeted = False  # the first request has been received
         self._counter = 0
+        # Bytes of peer-named subscription state held (names, initial_resource_versions).
+        self.held_bytes = 0
 
     def _note_node(self, request: discovery_pb2.DiscoveryRequest
                    | discovery_pb2.DeltaDiscoveryRequest) -> None:
@@ -59,18 +70,44 @@ class Stream:
         on a later request is ignored (it may not switch identity mid-stream)."""
         if self._greeted:
             return
-        self._greeted = True
         if request.HasField("node"):
+            check_node(request.node, self.limits.fields)
             self.node = request.node
+        self._greeted = True
+
+    def _check_envelope(self, type_url: str, nonce: str) -> None:
+        """Refuse a type URL or nonce over its bound (both may reach an event or a log)."""
+        bounds = self.limits.fields
+        check_text("type_url", type_url, bounds.type_url)
+        check_text("response_nonce", nonce, bounds.response_nonce)
+
+    def _check_resource_names(self, field: str, names: Iterable[str]) -> None:
+        check_each(f"a name in {field}", names, self.limits.fields.resource_name)
+
+    def _hold(self, change: int) -> None:
+        """Charge `change` bytes of peer-named subscription state to the stream's budget;
+        refused (the stream's end, the peer's fault) when it would go over."""
+        held, budget = self.held_bytes + change, self.limits.max_subscription_bytes
+        if held > budget:
+            raise ResourceLimitExceeded(
+                f"the stream's subscriptions would hold {held} bytes of resource names and "
+                f"initial_resource_versions; this server accepts at most {budget} per stream "
+                f"(the subscription byte budget, StreamLimits.max_subscription_bytes)")
+        self.held_bytes = held
 
     def _type_of(self, type_url: str) -> str:
         if self.default_type_url is not None:
             if type_url and type_url != self.default_type_url:
-                raise ProtocolError(f"type_url {type_url!r} sent on the "
+                raise ProtocolError(f"type_url {shown(type_url, 100)} sent on the "
                                     f"{type_urls.short_name(self.default_type_url)} service")
             return self.default_type_url
         if not type_url:
             raise ProtocolError("request without type_url on an aggregated (ADS) stream")
+        if type_url not in self.types and len(self.types) >= self.limits.max_types:
+            raise ResourceLimitExceeded(
+                f"the request adds a type to the {len(self.types)} this stream requested; "
+                f"this server accepts at most {self.limits.max_types} per stream "
+                f"(StreamLimits.max_types)")
         return type_url
 
     def _check_names(self, type_url: str, count: int, what: str = "subscribes to",
@@ -81,7 +118,7 @@ class Stream:
         limit = self.limits.max_resource_names
         if count - slack > limit:
             raise ResourceLimitExceeded(
-                f"the request {what} {count} {type_urls.short_name(type_url)} resource names; "
+                f"the request {what} {count} {type_name(type_url)} resource names; "
                 f"this server accepts at most {limit} per type and stream "
                 f"(xds.limits.max_resource_names)")
 
@@ -103,7 +140,8 @@ class Stream:
             st.acked_version = version or sent_version
             return Ack(st.type_url, nonce, st.acked_version)
         self.rejections.record(st.type_url, pending, state)
-        return Nack(st.type_url, nonce, version, _error_detail(error), dict(pending))
+        detail = _error_detail(error, self.limits.fields.error_detail)
+        return Nack(st.type_url, nonce, version, detail, dict(pending))
 
     def _field(self, res: Resource) -> bytes:
         """The encoded `resources` field this API sends for `res` (shared, encoded once)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from envoy.service.discovery.v3 import discovery_pb2
 
-from xds_server.xds.machine.base import Stream
+from xds_server.xds.machine.base import Stream, names_size
+from xds_server.xds.machine.bounds import check_each
 from xds_server.xds.machine.events import Event, Response, StaleNonce, Subscription
 from xds_server.xds.machine.state import WILDCARD, TypeState
 from xds_server.xds.snapshot import Resource, Snapshot
@@ -19,11 +20,16 @@ class DeltaStream(Stream):
 
     def receive(self, request: discovery_pb2.DeltaDiscoveryRequest) -> list[Event]:
         self._note_node(request)
+        self._check_envelope(request.type_url, request.response_nonce)
         type_url = self._type_of(request.type_url)
         first = type_url not in self.types
-        if first:
-            self._check_names(type_url, len(request.initial_resource_versions),
-                              "names as held (initial_resource_versions)")
+        self._check_names(type_url, len(request.resource_names_subscribe), slack=1)
+        self._check_names(type_url, len(request.resource_names_unsubscribe),
+                          "unsubscribes from", slack=1)
+        self._check_resource_names("resource_names_subscribe", request.resource_names_subscribe)
+        self._check_resource_names("resource_names_unsubscribe",
+                                   request.resource_names_unsubscribe)
+        held = self._initial_versions(type_url, request) if first else {}
         st = self.types.setdefault(type_url, TypeState(type_url))
         events: list[Event] = []
         nonce = request.response_nonce
@@ -33,15 +39,27 @@ class DeltaStream(Stream):
         elif nonce and nonce != st.last_nonce:
             events.append(StaleNonce(type_url, nonce))
         if first:
-            st.sent = dict(request.initial_resource_versions)
+            st.sent = held
             st.force = not st.sent
             st.wildcard = not request.resource_names_subscribe  # legacy wildcard
         events += self._subscribe(st, request, first)
         return events
 
+    def _initial_versions(self, type_url: str, request: discovery_pb2.DeltaDiscoveryRequest
+                          ) -> dict[str, str]:
+        """The names and versions the client says it holds, checked and charged to the
+        stream's subscription budget (for the stream's life)."""
+        self._check_names(type_url, len(request.initial_resource_versions),
+                          "names as held (initial_resource_versions)")
+        held = dict(request.initial_resource_versions)
+        self._check_resource_names("initial_resource_versions", held)
+        check_each("a version in initial_resource_versions", held.values(),
+                   self.limits.fields.version_info)
+        self._hold(names_size(held) + names_size(held.values()))
+        return held
+
     def _subscribe(self, st: TypeState, request: discovery_pb2.DeltaDiscoveryRequest,
                    first: bool) -> list[Event]:
-        self._check_names(st.type_url, len(request.resource_names_subscribe), slack=1)
         added, dropped = set(request.resource_names_subscribe), set(request.resource_names_unsubscribe)
         if not added and not dropped:
             return []
@@ -54,6 +72,9 @@ class DeltaStream(Stream):
         dropped.discard(WILDCARD)
         names = (st.names | added) - dropped
         self._check_names(st.type_url, len(names))
+        change = names_size((added - dropped) - st.names) - names_size(dropped & st.names)
+        self._hold(change)
+        st.name_bytes += change
         st.wildcard = wildcard
         for name in added - st.names:
             if not first:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from envoy.service.discovery.v3 import discovery_pb2
 
 from xds_server.xds import type_urls
-from xds_server.xds.machine.base import Stream
+from xds_server.xds.machine.base import Stream, names_size
+from xds_server.xds.machine.bounds import check_text
 from xds_server.xds.machine.events import Event, Response, StaleNonce, Subscription
 from xds_server.xds.machine.state import WILDCARD, TypeState
 from xds_server.xds.snapshot import Resource, Snapshot
@@ -20,6 +21,8 @@ class SotwStream(Stream):
 
     def receive(self, request: discovery_pb2.DiscoveryRequest) -> list[Event]:
         self._note_node(request)
+        self._check_envelope(request.type_url, request.response_nonce)
+        check_text("version_info", request.version_info, self.limits.fields.version_info)
         type_url = self._type_of(request.type_url)
         st = self.types.get(type_url)
         nonce = request.response_nonce
@@ -27,6 +30,7 @@ class SotwStream(Stream):
             return [StaleNonce(type_url, nonce)]
         first = st is None
         self._check_names(type_url, len(request.resource_names), slack=1)  # one may be "*"
+        self._check_resource_names("resource_names", request.resource_names)
         names = frozenset(request.resource_names)
         wildcard = WILDCARD in names
         if wildcard:
@@ -48,9 +52,11 @@ class SotwStream(Stream):
         wildcard = wildcard or (not names and st.type_url in type_urls.FULL_STATE_TYPES)
         if wildcard == st.wildcard and names == st.names and request.response_nonce:
             return []
+        size = names_size(names)
+        self._hold(size - st.name_bytes)
         for gone in st.names - names:
             st.sent.pop(gone, None)
-        st.wildcard, st.names, st.evaluated = wildcard, names, None
+        st.wildcard, st.names, st.evaluated, st.name_bytes = wildcard, names, None, size
         return [Subscription(st.type_url, wildcard, st.names)]
 
     def _initial(self, st: TypeState, client_version: str) -> None:

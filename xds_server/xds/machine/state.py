@@ -52,6 +52,7 @@ class TypeState:
     type_url: str
     wildcard: bool = False
     names: frozenset[str] = frozenset()
+    name_bytes: int = 0  # UTF-8 bytes of `names`, charged to the stream's subscription budget
     sent: dict[str, str] = field(default_factory=dict)  # name -> version the client was sent/holds
     sent_state: str | None = None  # SotW whole-state version last sent
     pending_nonce: str | None = None  # awaiting ACK/NACK

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
 from xds_server.admin import metrics
+from xds_server.xds.peer_text import shown
 from xds_server.xds.protocol import Event, ProtocolError, Response, Withheld
 from xds_server.xds.stream_info import StreamInfo
 
@@ -120,8 +121,8 @@ class Observers(StreamObserver):
         metrics.OBSERVER_FAILURES.labels(observer=name).inc()
         count = self.failures[name]
         if count == 1:
-            log.exception("stream observer %s failed (stream from %s, node %r); the stream "
-                          "goes on without it", name, stream.peer, stream.node_id)
+            log.exception("stream observer %s failed (stream from %s, node %s); the stream "
+                          "goes on without it", name, stream.peer, shown(stream.node_id))
         elif count & (count - 1) == 0:
             log.error("stream observer %s has failed %d times (the first is logged with its "
                       "traceback); the streams go on without it", name, count)

@@ -34,6 +34,12 @@ def _push_metrics(kind: str, api: str) -> _PushMetrics:
                         metrics.PUSH_SECONDS.labels(type=kind))
 
 
+def _label(type_url: str) -> str:
+    """The `type` label: the short name of a type this server serves, else "other" (a peer
+    may request any type URL; each new label would be a new series kept for good)."""
+    return type_urls.SHORT_NAMES.get(type_url, "other")
+
+
 _EVENT_COUNTERS = ((Ack, metrics.ACKS), (Nack, metrics.NACKS), (StaleNonce, metrics.STALE_NONCES))
 
 
@@ -44,16 +50,16 @@ class StreamMetrics(StreamObserver):
         metrics.STREAMS.labels(api=stream.api).inc()
 
     def on_subscribe(self, stream: StreamInfo, type_url: str) -> None:
-        metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url), api=stream.api).inc()
+        metrics.SUBSCRIPTIONS.labels(type=_label(type_url), api=stream.api).inc()
 
     def on_event(self, stream: StreamInfo, event: Event) -> None:
         for kind, counter in _EVENT_COUNTERS:
             if isinstance(event, kind):
-                counter.labels(type=type_urls.short_name(event.type_url)).inc()
+                counter.labels(type=_label(event.type_url)).inc()
                 return
 
     def on_sent(self, stream: StreamInfo, sent: Sent) -> None:
-        bound = _push_metrics(type_urls.short_name(sent.response.type_url), stream.api)
+        bound = _push_metrics(_label(sent.response.type_url), stream.api)
         bound.pushes.inc()
         bound.resources.inc(len(sent.response.resources))
         bound.bytes.inc(sent.size)
@@ -65,5 +71,5 @@ class StreamMetrics(StreamObserver):
     def on_close(self, stream: StreamInfo) -> None:
         metrics.STREAMS.labels(api=stream.api).dec()
         for type_url in stream.types:
-            metrics.SUBSCRIPTIONS.labels(type=type_urls.short_name(type_url),
+            metrics.SUBSCRIPTIONS.labels(type=_label(type_url),
                                          api=stream.api).dec()

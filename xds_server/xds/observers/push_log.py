@@ -8,8 +8,8 @@ import asyncio
 import logging
 from dataclasses import dataclass, field
 
-from xds_server.xds import type_urls
 from xds_server.xds.observers.base import Sent, StreamObserver
+from xds_server.xds.peer_text import shown, type_name
 from xds_server.xds.protocol import Response
 from xds_server.xds.stream_info import StreamInfo
 
@@ -47,12 +47,13 @@ class PushLog(StreamObserver):
         self.open_streams -= 1
 
     def on_sent(self, stream: StreamInfo, sent: Sent) -> None:
-        response, kind = sent.response, type_urls.short_name(sent.response.type_url)
+        response, kind = sent.response, type_name(sent.response.type_url)
         few = self.open_streams <= PER_PUSH_LOG_STREAMS
         level = logging.INFO if few else logging.DEBUG
         if log.isEnabledFor(level):
-            log.log(level, "push %s v%s nonce %s to %r: %d resources, %d removed", kind,
-                    response.version, response.nonce, stream.node_id, len(response.resources),
+            log.log(level, "push %s v%s nonce %s to %s: %d resources, %d removed", kind,
+                    response.version, response.nonce, shown(stream.node_id),
+                    len(response.resources),
                     len(response.removed))
         if not few and log.isEnabledFor(logging.INFO):
             self.add(kind, stream.api, response, sent.size)
