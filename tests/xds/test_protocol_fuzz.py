@@ -1,6 +1,9 @@
 """Property tests: random request sequences against the stream machines.
 
-Invariants: no crash (only ProtocolError for a broken request), state stays bounded, a
+Invariants: no crash (only ProtocolError, and only for a request that breaks the protocol or
+a bound: no type_url, a peer string over its bound, the subscription budget), state stays
+bounded (what the machine keeps of node ids, names and NACK details within their bounds,
+whatever the peer sent: long strings, control characters), a
 version a client NACKed is never sent to it again, and the shortcuts (skipping a type whose
 snapshot version is unchanged, looking only at the names a published snapshot changed) answer
 exactly what a full evaluation of every type would. `FUZZ_EXAMPLES` raises the case count for
@@ -11,19 +14,24 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 
 import pytest
 from envoy.service.discovery.v3.discovery_pb2 import DeltaDiscoveryRequest, DiscoveryRequest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import event as note_event
 from hypothesis import strategies as st
 
 from tests.support.xds_fixtures import snapshot
 from xds_server.xds import type_urls as T
+from xds_server.xds.machine.base import names_size
+from xds_server.xds.machine.limits import FieldLimits
 from xds_server.xds.protocol import (
     RESPONSE_HEADROOM,
     DeltaStream,
     Nack,
     ProtocolError,
+    ResourceLimitExceeded,
     Response,
     SotwStream,
     StreamLimits,
@@ -33,6 +41,13 @@ from xds_server.xds.server import encode_delta, encode_sotw
 EXAMPLES = int(os.environ.get("FUZZ_EXAMPLES", "150"))
 TYPES = [T.CLUSTER, T.ENDPOINT, T.LISTENER, T.ROUTE, ""]
 NAMES = ["a", "b", "c", "routes", "*", "zz"]
+# Small bounds, so that fuzzed peer strings cross them often; the snapshots' names fit.
+FIELDS = FieldLimits(node_id=16, node_cluster=16, resource_name=16, type_url=80,
+                     version_info=32, response_nonce=8, error_detail=128)
+BUDGET = 48  # subscription bytes per stream
+peer_text = st.text(max_size=24)  # any code point: control characters, line breaks, non-BMP
+# Mostly well-formed, so that most sequences run long enough to exercise NACKs and parts.
+name = st.one_of(*[st.sampled_from(NAMES)] * 4, peer_text)
 
 weights = st.fixed_dictionaries({
     "a": st.fixed_dictionaries({"10.0.0.1:80": st.integers(0, 3)}),
@@ -44,9 +59,12 @@ weights = st.fixed_dictionaries({
 reply = st.tuples(st.just("reply"), st.sampled_from(TYPES[:4]), st.booleans(),
                   st.lists(st.sampled_from(NAMES), max_size=3))
 garbage = st.tuples(st.just("request"), st.sampled_from(TYPES),
-                    st.sampled_from(["", "1", "2", "5", "999", "x"]),
-                    st.lists(st.sampled_from(NAMES), max_size=4), st.booleans(),
-                    st.sampled_from(["", "v", "0123456789abcdef"]))
+                    st.sampled_from(["", "1", "2", "5", "999", "x", "123456789"]),
+                    st.lists(name, max_size=4), st.booleans(),
+                    st.one_of(st.sampled_from(["", "v", "0123456789abcdef"]), st.text(max_size=40)),
+                    st.one_of(st.none(), st.none(), peer_text),  # the node id
+                    st.text(max_size=300),  # the NACK's error detail
+                    st.dictionaries(name, st.text(max_size=40), max_size=3))  # Delta: held
 ops = st.lists(st.one_of(st.tuples(st.just("snapshot"), weights, st.booleans()), reply, garbage),
                max_size=40)
 
@@ -61,29 +79,70 @@ class Checker:
 
     def __init__(self, machine: SotwStream | DeltaStream, delta: bool) -> None:
         self.machine, self.delta = machine, delta
+        self.ended = False  # a ProtocolError ends the stream: nothing more reaches the machine
+        self.held: set[str] = set()  # names the client said it holds (Delta)
         self.snapshot = snapshot({"a": {"10.0.0.1:80": 1}, "b": {"10.0.1.1:80": 1}})
         self.last: dict[str, Response] = {}
         self.rejected: set[tuple[str, str, str]] = set()
         self.rejected_states: set[tuple[str, str]] = set()
 
-    def request(self, type_url: str, nonce: str, names: list[str], error: bool, version: str):
+    def request(self, type_url: str, nonce: str, names: list[str], error: bool, version: str,
+                node: str | None = None, detail: str = "rejected",
+                held: dict[str, str] | None = None):
+        if self.ended:
+            return
         if self.delta:
             req = DeltaDiscoveryRequest(type_url=type_url, response_nonce=nonce,
-                                        resource_names_subscribe=names)
+                                        resource_names_subscribe=names,
+                                        initial_resource_versions=held or {})
         else:
             req = DiscoveryRequest(type_url=type_url, response_nonce=nonce,
                                    resource_names=names, version_info=version)
         if error:
-            req.error_detail.message = "rejected"
+            req.error_detail.message = detail
+        if node is not None:
+            req.node.id = node
+        self.held |= set(held or {})
         try:
             events = self.machine.receive(req)  # type: ignore[arg-type]
-        except ProtocolError:
-            assert type_url == ""
+        except ProtocolError as refused:
+            assert self._breaks_a_bound(req, refused), (refused, req)
+            note_event("stream ended: " + re.sub(r"\d+", "N", str(refused).split(" is ")[0][:48]))
+            self.ended = True
             return
         for event in events:
             if isinstance(event, Nack):
+                assert len(event.detail.encode()) <= FIELDS.error_detail
                 self._remember(event)
+        self._check_kept()
         self.pump()
+
+    def _breaks_a_bound(self, req, refused: ProtocolError) -> bool:
+        """Whether the refused request did break the protocol or a bound."""
+        if isinstance(refused, ResourceLimitExceeded):
+            return "max_subscription_bytes" in str(refused)
+        held = getattr(req, "initial_resource_versions", {})
+        names = (list(req.resource_names_subscribe) + list(held) if self.delta
+                 else list(req.resource_names))
+        over = [len(req.type_url.encode()) > FIELDS.type_url,
+                len(req.response_nonce.encode()) > FIELDS.response_nonce,
+                any(len(n.encode()) > FIELDS.resource_name for n in names),
+                any(len(v.encode()) > FIELDS.version_info for v in held.values()),
+                not self.delta and len(req.version_info.encode()) > FIELDS.version_info,
+                self.machine.node is None and len(req.node.id.encode()) > FIELDS.node_id]
+        return req.type_url == "" or any(over)
+
+    def _check_kept(self) -> None:
+        """What the machine keeps of the peer's strings is within their bounds."""
+        machine = self.machine
+        if machine.node is not None:
+            assert len(machine.node.id.encode()) <= FIELDS.node_id
+        assert machine.held_bytes <= BUDGET
+        for state in machine.types.values():
+            assert all(len(n.encode()) <= FIELDS.resource_name for n in state.names)
+            assert state.name_bytes == names_size(state.names)
+        if not self.delta:
+            assert machine.held_bytes == sum(s.name_bytes for s in machine.types.values())
 
     def _remember(self, nack: Nack) -> None:
         full = not self.delta and nack.type_url in T.FULL_STATE_TYPES
@@ -121,8 +180,8 @@ class Checker:
                 resp = self.last[type_url]
                 self.request(type_url, resp.nonce, names, nack, resp.version)
         else:
-            _, type_url, nonce, names, error, version = op
-            self.request(type_url, nonce, names, error, version)
+            _, type_url, nonce, names, error, version, node, detail, held = op
+            self.request(type_url, nonce, names, error, version, node, detail, held)
 
 
 # None: the default limits (nothing is split); 260: the fuzz snapshots' EDS goes out in parts of
@@ -131,7 +190,9 @@ LIMITS = [None, RESPONSE_HEADROOM + 260, RESPONSE_HEADROOM + 200]
 
 
 def _limits(max_bytes: int | None) -> StreamLimits:
-    return StreamLimits() if max_bytes is None else StreamLimits(max_response_bytes=max_bytes)
+    bounds = {"fields": FIELDS, "max_subscription_bytes": BUDGET}
+    return (StreamLimits(**bounds) if max_bytes is None  # type: ignore[arg-type]
+            else StreamLimits(max_response_bytes=max_bytes, **bounds))  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("max_bytes", LIMITS, ids=["default", "parts", "withheld"])
@@ -153,4 +214,4 @@ def test_delta_never_resends_a_nacked_version(max_bytes, sequence):
         checker.run(op)
     assert len(checker.machine.types) <= 4
     for state in checker.machine.types.values():
-        assert set(state.sent) <= {"a", "b", "c", "routes", "listener"}
+        assert set(state.sent) - {"a", "b", "c", "routes", "listener"} <= checker.held

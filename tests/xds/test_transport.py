@@ -436,3 +436,40 @@ def test_the_xds_limits_in_the_config_reach_every_stream():
     assert servicer.limits == StreamLimits(500, 1_000_000)
     with pytest.raises(ConfigError, match="max_response_bytes"):
         parse_config({**base, "xds": {"limits": {"max_response_bytes": 1000}}})
+
+
+def test_an_oversized_node_id_ends_the_stream_invalid_argument_and_is_logged_cut(caplog):
+    """The review's attack: an 8.4 MB node id. Refused on its first request, naming the field
+    and the bound; the log line shows a bounded, escaped head of it."""
+    async def body(channel, cache, servicer):
+        call = _sotw_call(channel, ADS_SOTW)
+        await call.write(DiscoveryRequest(node={"id": "\n" + "x" * 8_400_000},
+                                          type_url=T.CLUSTER))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert (info.value.details() or "").startswith(
+            "node.id is 8400001 bytes; this server accepts at most 1024")
+        await wait_until_async(lambda: not servicer.streams)
+    with caplog.at_level(logging.INFO, logger="trimtab.xds"):
+        asyncio.run(_with_server(body))
+    lines = [r.getMessage() for r in caplog.records if "node.id is" in r.getMessage()]
+    assert len(lines) == 1 and len(lines[0]) < 500 and "\n" not in lines[0]
+
+
+def test_a_delta_stream_over_its_subscription_byte_budget_ends_resource_exhausted():
+    async def body(channel, cache, servicer):
+        call = channel.stream_stream(
+            ADS_DELTA, request_serializer=DeltaDiscoveryRequest.SerializeToString,
+            response_deserializer=DeltaDiscoveryResponse.FromString)()
+        for i in range(10):  # a new 1,000-byte name per request
+            await call.write(DeltaDiscoveryRequest(type_url=T.ENDPOINT,
+                                                   resource_names_subscribe=[f"{i}" * 1000]))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            while True:
+                await asyncio.wait_for(call.read(), 5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "would hold 5000 bytes" in (info.value.details() or "")
+        assert "max_subscription_bytes" in (info.value.details() or "")
+        await wait_until_async(lambda: not servicer.streams)
+    asyncio.run(_with_server(body, limits=StreamLimits(max_subscription_bytes=4500)))
