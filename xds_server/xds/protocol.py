@@ -14,7 +14,12 @@ once per stream. For SotW Cluster/Listener (whole-state types) the rejected unit
 set; for every other case it is the individual resource version.
 
 Limits (`StreamLimits`): a request subscribing to more than `max_resource_names` names of one
-type ends the stream (`ResourceLimitExceeded`, the peer's fault). No response is larger than
+type, holding more than `max_subscription_bytes` of names and initial_resource_versions in
+all, or requesting more than `max_types` types ends the stream (`ResourceLimitExceeded`, the
+peer's fault); so does a peer string over its bound (`FieldLimits`: node id, cluster,
+locality, user agent, metadata, the node, resource names, type URL, version, nonce;
+`FieldTooLarge`), checked before anything of the request is kept. A NACK's error text is kept
+truncated to `FieldLimits.error_detail`, never refused. No response is larger than
 `max_response_bytes` less `RESPONSE_HEADROOM`: SotW EDS/RDS and every Delta type are split
 into several responses ("parts"), sent one at a time under the same flow control; SotW
 CDS/LDS must carry the whole state in one response, so one that does not fit is withheld, as is
@@ -27,7 +32,7 @@ then looks only at the resources that changed since, when the snapshot records t
 evaluation over the changed CLAs, and the ACKs that follow cost nothing.
 
 The machines live in `xds_server.xds.machine`, one concern per module: `limits`
-(`StreamLimits`, the errors), `events` (what they return), `state` (`TypeState`, `Rejections`),
+(`StreamLimits`, `FieldLimits`, the errors), `bounds` (checking peer strings), `events` (what they return), `state` (`TypeState`, `Rejections`),
 `base` (what both APIs share: nonces, packing, flow control), `sotw` and `delta`. This module is
 their public face: import the names below from here.
 """
@@ -49,7 +54,11 @@ from xds_server.xds.machine.limits import (
     MAX_REJECTED_VERSIONS,
     MAX_RESOURCE_NAMES,
     MAX_RESPONSE_BYTES,
+    MAX_SUBSCRIPTION_BYTES,
+    MAX_TYPES,
     RESPONSE_HEADROOM,
+    FieldLimits,
+    FieldTooLarge,
     ProtocolError,
     ResourceLimitExceeded,
     StreamLimits,
@@ -58,8 +67,9 @@ from xds_server.xds.machine.sotw import SotwStream
 from xds_server.xds.machine.state import WILDCARD, Rejections, TypeState
 
 __all__ = [
-    "MAX_REJECTED_VERSIONS", "MAX_RESOURCE_NAMES", "MAX_RESPONSE_BYTES", "RESPONSE_HEADROOM",
-    "WILDCARD", "Ack", "DeltaStream", "Event", "Nack", "ProtocolError", "Rejections",
+    "MAX_REJECTED_VERSIONS", "MAX_RESOURCE_NAMES", "MAX_RESPONSE_BYTES",
+    "MAX_SUBSCRIPTION_BYTES", "MAX_TYPES", "RESPONSE_HEADROOM", "WILDCARD", "Ack",
+    "DeltaStream", "Event", "FieldLimits", "FieldTooLarge", "Nack", "ProtocolError", "Rejections",
     "ResourceLimitExceeded", "Response", "SotwStream", "StaleNonce", "StreamLimits",
     "Subscription", "TypeState", "Withheld", "part_version",
 ]

@@ -13,7 +13,9 @@ version (see `snapshot.Resource`) and shared by every stream; only version and n
 per response. Requests are parsed with the generated upb classes.
 
 Limits (`protocol.StreamLimits`, from `xds.limits`): a request naming more resources than
-`max_resource_names` ends its stream with RESOURCE_EXHAUSTED; no response exceeds
+`max_resource_names`, or over the stream's subscription byte budget, ends its stream with
+RESOURCE_EXHAUSTED; one with a peer string over its bound (`FieldTooLarge`) or otherwise
+breaking the protocol, with INVALID_ARGUMENT; no response exceeds
 `max_response_bytes` (the machines split pushes into parts, and withhold what cannot fit,
 which the stream log reports as our error).
 """
