@@ -445,3 +445,18 @@ def test_effective_shares_follow_localities_then_host_weights() -> None:
     assert sum(shares.values()) == pytest.approx(1.0)
     plain = effective_shares({"x": host(30, None, None), "y": host(10, None, None)})
     assert plain == {"x": pytest.approx(0.75), "y": pytest.approx(0.25)}
+
+
+def test_a_ttft_slo_turns_admission_on_for_trimtab_only(tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]
+                                                        ) -> None:
+    from trimtab_dev.bench import envoy_configs
+    config = envoy_configs.trimtab_config(model="m", addresses=["127.0.0.1:1"], xds_port=1,
+                                          admin_port=2, listener_port=3, ttft_slo_s=3.0)
+    assert [p["slo"] for p in config["pools"]] == [{"ttft_seconds": 3.0}]
+    plain = envoy_configs.trimtab_config(model="m", addresses=["127.0.0.1:1"], xds_port=1,
+                                         admin_port=2, listener_port=3)
+    assert all("slo" not in p for p in plain["pools"])
+    code = bench_main(["--fleet", "examples/fleet-hetero.yaml", "--workload",
+                       "examples/workload-mixed.yaml", "--ttft-slo", "0", "--out", str(tmp_path)])
+    assert code == 2 and "--ttft-slo must be > 0" in capsys.readouterr().err

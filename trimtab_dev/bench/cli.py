@@ -311,6 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         w = load_workload(args.workload)
         if args.surge_start is not None:
             w = surge.with_start(w, args.surge_start)
+        if args.ttft_slo is not None:
+            if args.ttft_slo <= 0:
+                raise ValueError("--ttft-slo must be > 0")
+            w = w.model_copy(update={"ttft_slo_s": args.ttft_slo})
         spec = load_fleet(args.fleet)
         s = settings_from(args, w, spec)
     except (WorkloadError, FleetError, ValueError) as exc:

@@ -153,6 +153,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--surge-start", type=float, metavar="S",
                    help="a surge workload: start the surge S seconds after the schedule's "
                         "first instant (the warm-up included) instead of its start_s")
+    p.add_argument("--ttft-slo", type=float, metavar="S",
+                   help="the workload's TTFT SLO (ttft_slo_s): trimtab runs with it as "
+                        "slo.ttft_seconds (admission on); e.g. to check that steady load is "
+                        "never refused")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild bench.json/png and the table from --out's records; run nothing")
