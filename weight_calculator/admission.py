@@ -58,7 +58,8 @@ class EndpointBudget:
 class PoolBudget:
     """``in_flight``: the pool's budget (requests in flight across every Envoy), None when
     nothing is measured yet (admit everything). ``serving``: what the endpoints run at once
-    (the floor). ``retry_after_s``: when a refused request may expect room: the time the
+    (the floor); ``held``: what they run and queue now; ``rate``: their completions a
+    second (``weight_calculator.fairness`` steers the tenant cap by these). ``retry_after_s``: when a refused request may expect room: the time the
     pool needs to finish what it holds beyond the budget, and one more."""
 
     in_flight: int | None
@@ -66,6 +67,8 @@ class PoolBudget:
     retry_after_s: float
     endpoints: Mapping[str, EndpointBudget] = field(default_factory=dict)
     reason: str = ""
+    held: float = 0.0  # requests the serving endpoints run and queue now (this tick's read)
+    rate: float = 0.0  # requests the measured serving endpoints finish per second
 
 
 def _running_capacity(ew: EndpointWeight, previous: EndpointBudget | None) -> float:
@@ -115,7 +118,7 @@ def pool_budget(weights: PoolWeights, policy: AdmissionPolicy,
     retry_after = (max(0.0, held - total) + 1.0) / rate
     return PoolBudget(total, serving, retry_after, endpoints,
                       f"{serving} running + {queue} queued within "
-                      f"{policy.wait_fraction:g} x {policy.ttft_seconds:g}s")
+                      f"{policy.wait_fraction:g} x {policy.ttft_seconds:g}s", held, rate)
 
 
 def per_envoy(budget: int, envoys: int) -> int:

@@ -1,15 +1,30 @@
 """Admission in Envoy's resources (xds_server/envoy/admission.py): the RTDS layer of
-circuit-breaker limits, the routes' priorities and Retry-After, and the 429."""
+circuit-breaker limits and tenant enforcement, the routes' priorities, Retry-After and
+tenant buckets, and the 429s."""
 
 from __future__ import annotations
 
+import json
+
+import pytest
 from google.protobuf import json_format
 
 from weight_calculator.admission import PoolBudget
+from weight_calculator.fairness import TenantCap
+from weight_calculator.health import HEALTHY
+from weight_calculator.types import EndpointWeight, PoolWeights
 from xds_server.config.load import parse_config
-from xds_server.control.admission import AdmissionState
-from xds_server.envoy.admission import ClusterLimits, retry_after_seconds, runtime_layer
-from xds_server.envoy.routes import build_route_config
+from xds_server.control.admission import AdmissionState, next_state
+from xds_server.envoy.admission import (
+    ANONYMOUS,
+    TENANT_FILTER,
+    ClusterLimits,
+    retry_after_seconds,
+    runtime_layer,
+    tenant_bucket,
+)
+from xds_server.envoy.local_replies import local_reply_config
+from xds_server.envoy.routes import build_listener, build_route_config
 
 
 def _config(**admission: object) -> object:
@@ -62,3 +77,94 @@ def test_each_envoy_gets_its_part_and_batch_its_share() -> None:
 def test_retry_after_moves_by_powers_of_two() -> None:
     assert [retry_after_seconds(s) for s in (0.2, 1.0, 1.5, 3.0, 9.0, 33.0, 500.0)] == [
         1, 1, 2, 4, 16, 60, 60]
+
+
+def _tenant_config(**admission: object) -> object:
+    return _config(tenant_header="X-Tenant", max_tenants=500, **admission)
+
+
+def test_tenant_routes_carry_a_bucket_per_tenant_at_the_cap() -> None:
+    from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
+
+    routes = build_route_config(_tenant_config(), tenants={"chat": 8}).virtual_hosts[0].routes
+    chat = [r for r in routes if r.name.startswith(("body:chat", "header:chat"))]
+    assert len(chat) == 4
+    for route in chat:
+        limit = local_rate_limit_pb2.LocalRateLimit()
+        assert route.typed_per_filter_config[TENANT_FILTER].Unpack(limit)
+        (descriptor,) = limit.descriptors
+        assert [(e.key, e.value) for e in descriptor.entries] == [("tenant", "")]  # dynamic
+        bucket = descriptor.token_bucket  # 2 ** (8/4) = 4 requests/s: 1 token every 250 ms
+        assert (bucket.tokens_per_fill.value, bucket.fill_interval.ToMilliseconds(),
+                bucket.max_tokens) == (1, 250, 4)
+        assert limit.max_dynamic_descriptors.value == 500
+        assert limit.filter_enforced.runtime_key == "trimtab.tenants.chat.enforced"
+        assert limit.filter_enforced.default_value.numerator == 0  # counts, refuses only on
+        assert limit.filter_enabled.default_value.numerator == 100
+        named, anonymous = limit.rate_limits
+        assert named.actions[0].request_headers.header_name == "x-tenant"
+        assert anonymous.actions[0].header_value_match.descriptor_value == ANONYMOUS
+        assert anonymous.actions[0].header_value_match.HasField("expect_match")
+        assert not anonymous.actions[0].header_value_match.expect_match.value
+    other = [r for r in routes if r.name.startswith("body:other")]
+    assert TENANT_FILTER not in other[0].typed_per_filter_config
+
+
+def test_no_cap_yet_or_no_header_means_no_tenant_limit() -> None:
+    unmeasured = build_route_config(_tenant_config()).virtual_hosts[0].routes
+    assert not any(TENANT_FILTER in r.typed_per_filter_config for r in unmeasured)
+    plain = build_route_config(_config(), tenants={"chat": 8}).virtual_hosts[0].routes
+    assert not any(TENANT_FILTER in r.typed_per_filter_config for r in plain)
+
+
+def test_the_listener_has_the_filter_before_the_router_only_with_a_tenant_header() -> None:
+    def filters(config: object) -> list[str]:
+        hcm = json_format.MessageToDict(build_listener(config))["filterChains"][0]["filters"][0]
+        return [f["name"] for f in hcm["typedConfig"]["httpFilters"]]
+
+    assert filters(_tenant_config())[-2:] == [TENANT_FILTER, "envoy.filters.http.router"]
+    assert TENANT_FILTER not in filters(_config())
+
+
+def test_a_tenant_over_its_share_gets_the_openai_429_with_the_routes_retry_after() -> None:
+    mappers = local_reply_config(_tenant_config())["mappers"]
+    (rl,) = [m for m in mappers if m["filter"].get("response_flag_filter", {}).get("flags")
+             == ["RL"]]
+    assert rl["status_code"] == 429
+    body = json.loads(rl["body_format_override"]["text_format_source"]["inline_string"])
+    assert set(body) == {"error"} and body["error"]["code"] == "rate_limit_exceeded"
+    assert body["error"]["type"] == "requests" and body["error"]["message"]
+    assert rl["headers_to_add"][-1]["header"] == {
+        "key": "retry-after", "value": "%METADATA(ROUTE:trimtab:retry_after)%"}
+    plain = local_reply_config(_config())["mappers"]
+    assert not any(m["filter"].get("response_flag_filter", {}).get("flags") == ["RL"]
+                   for m in plain)
+
+
+def test_the_layer_turns_enforcement_on_for_pressed_pools_only() -> None:
+    layer = json_format.MessageToDict(runtime_layer({"chat": ClusterLimits(20, 10)}, ["chat"]))
+    assert layer["layer"]["trimtab.tenants.chat.enforced"] == 100.0
+    assert "trimtab.tenants.chat.enforced" not in json_format.MessageToDict(
+        runtime_layer({"chat": ClusterLimits(20, 10)}))["layer"]
+    state = AdmissionState({}, {}, {"chat": TenantCap(8, True), "other": TenantCap(3, False)})
+    assert state.enforced() == ["chat"] and state.tenant_levels() == {"chat": 8, "other": 3}
+
+
+def test_buckets_fill_at_the_cap() -> None:
+    for rate in (0.05, 0.7, 1.0, 3.3, 17.0, 450.0):
+        bucket = tenant_bucket(rate)
+        seconds = float(bucket["fill_interval"].rstrip("s"))
+        assert bucket["tokens_per_fill"] / seconds == pytest.approx(rate, rel=0.03), rate
+        assert seconds >= 0.05 and bucket["max_tokens"] >= bucket["tokens_per_fill"]
+
+
+def test_each_tick_steers_the_cap_of_a_pool_with_a_tenant_header() -> None:
+    # one engine running 8, 30 waiting, 2 completions/s: budget 8 + 4, far over half the queue
+    full = EndpointWeight(50, False, False, {"running": 8.0, "queue": 30.0}, 0.0, "ok", HEALTHY,
+                          {"service_rate_used": 2000.0, "work_per_request": 1000.0})
+    weights = {"chat": PoolWeights({"127.0.0.1:8000": full}, fail_static=False)}
+    first = next_state(_tenant_config(), weights, AdmissionState(), lambda pool: 1)
+    assert first.tenants == {"chat": TenantCap(2, True, 38.0)}  # 2/s, less two levels
+    second = next_state(_tenant_config(), weights, first, lambda pool: 1)
+    assert second.tenants["chat"].level == 0 and second.enforced() == ["chat"]
+    assert next_state(_config(), weights, AdmissionState(), lambda pool: 1).tenants == {}

@@ -35,6 +35,12 @@ ADMISSION_BUDGET = Gauge("trimtab_admission_budget",
                          ["cluster"])
 ADMISSION_ENVOYS = Gauge("trimtab_admission_envoys",
                          "Envoys sharing a cluster's admission budget", ["cluster"])
+ADMISSION_TENANT_RATE = Gauge("trimtab_admission_tenant_rate",
+                              "A pool's tenant cap: requests a second each tenant may send "
+                              "through one Envoy while it is enforced", ["cluster"])
+ADMISSION_TENANT_ENFORCED = Gauge("trimtab_admission_tenant_enforced",
+                                  "1 while a pool's tenant cap refuses (the pool is pressed), "
+                                  "else 0", ["cluster"])
 STREAMS = Gauge("trimtab_xds_streams", "Open xDS streams", ["api"])
 SUBSCRIPTIONS = Gauge("trimtab_xds_subscriptions",
                       "Resource types requested on open xDS streams (streams by type)",

@@ -175,7 +175,8 @@ class SloConfig(Model):
 
 class AdmissionConfig(Model):
     """How the admission budget (from ``slo.ttft_seconds``) is enforced: Envoy's circuit
-    breakers, set at run time over RTDS (xds_server/envoy/admission.py)."""
+    breakers, set at run time over RTDS, and with ``tenant_header`` a per-tenant token bucket
+    (xds_server/envoy/admission.py)."""
 
     enabled: bool = True
     wait_fraction: float = Field(0.75, gt=0, le=1)  # of the SLO a request may wait queued
@@ -183,6 +184,11 @@ class AdmissionConfig(Model):
     default_priority: Literal["interactive", "batch"] = "interactive"
     batch_share: float = Field(0.5, gt=0, le=1)  # of the budget batch requests may hold
     envoys: int | None = Field(None, ge=1, le=100_000)  # None: counted from the xDS streams
+    # tenant fairness (xds_server/envoy/admission.py): one token bucket per value of this
+    # header, enforced only while the pool is pressed; None: off
+    tenant_header: str | None = Field(None, min_length=1, max_length=128,
+                                      pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    max_tenants: int = Field(10_000, ge=1, le=1_000_000)  # Envoy's buckets, least recent dropped
 
 
 class OutlierDetectionConfig(Model):

@@ -1,10 +1,13 @@
 """Each tick, every admitting pool's budget (``weight_calculator.admission``, pure) and what
 one Envoy enforces of it (``envoy.admission``): the budget split evenly among the Envoys
-that receive the admission layer, since each counts only its own requests in flight.
+that receive the admission layer, since each counts only its own requests in flight; and,
+for a pool with a tenant header, its tenant cap (``weight_calculator.fairness``, pure) and
+whether it is enforced.
 
-The budgets carry what they learn (each engine's concurrency) from one tick to the next;
-nothing else is kept. A cluster without a budget gets no limit in the layer, so Envoy keeps
-its static threshold and admits everything."""
+The budgets carry what they learn (each engine's concurrency) from one tick to the next, the
+tenant caps their level and what the servers held; nothing else is kept. A cluster without
+a budget gets no limit in the layer, so Envoy keeps its static threshold and admits
+everything; a pool without one has no tenant limit either."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from weight_calculator.admission import AdmissionPolicy, PoolBudget, per_envoy, pool_budget
+from weight_calculator.fairness import TenantCap, next_cap
 from weight_calculator.types import PoolWeights
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
@@ -29,10 +33,20 @@ def policy_of(pool: PoolConfig) -> AdmissionPolicy | None:
 
 @dataclass(frozen=True)
 class AdmissionState:
-    """The budgets in force (cluster -> budget) and how many Envoys share them."""
+    """The budgets in force (cluster -> budget), how many Envoys share them, and the tenant
+    caps (stable cluster -> cap) of the pools with a tenant header."""
 
     budgets: Mapping[str, PoolBudget] = field(default_factory=dict)
     envoys: Mapping[str, int] = field(default_factory=dict)  # cluster -> Envoys sharing it
+    tenants: Mapping[str, TenantCap] = field(default_factory=dict)
+
+    def tenant_levels(self) -> dict[str, int]:
+        """Each pool's tenant cap level (its routes carry it)."""
+        return {cluster: cap.level for cluster, cap in self.tenants.items()}
+
+    def enforced(self) -> list[str]:
+        """The clusters whose tenant limit refuses now (the layer turns it on)."""
+        return sorted(cluster for cluster, cap in self.tenants.items() if cap.enforced)
 
     def limits(self, config: Config) -> dict[str, ClusterLimits]:
         """One Envoy's limits per cluster (the RTDS layer)."""
@@ -60,6 +74,7 @@ def next_state(config: Config, weights: Mapping[str, PoolWeights], previous: Adm
     """The budgets from this tick's weights. ``envoys(pool)``: how many Envoys share it."""
     budgets: dict[str, PoolBudget] = {}
     counts: dict[str, int] = {}
+    tenants: dict[str, TenantCap] = {}
     for pool in config.pools:
         policy = policy_of(pool)
         if policy is None:
@@ -71,8 +86,30 @@ def next_state(config: Config, weights: Mapping[str, PoolWeights], previous: Adm
                 continue
             budgets[cluster] = pool_budget(pw, policy, previous.budgets.get(cluster))
             counts[cluster] = max(1, n)
+        cap = _tenant_cap(pool, budgets, counts, previous)
+        if cap is not None:
+            tenants[pool.name] = cap
     _log_changes(previous, budgets)
-    return AdmissionState(budgets, counts)
+    _log_tenants(previous, tenants)
+    return AdmissionState(budgets, counts, tenants)
+
+
+def _tenant_cap(pool: PoolConfig, budgets: Mapping[str, PoolBudget],
+                counts: Mapping[str, int], previous: AdmissionState) -> TenantCap | None:
+    """The cap of a pool with a tenant header, steered by its stable cluster's budget."""
+    budget = budgets.get(pool.name)
+    if not pool.admission.tenant_header or budget is None:
+        return None
+    return next_cap(budget, counts.get(pool.name, 1), previous.tenants.get(pool.name))
+
+
+def _log_tenants(previous: AdmissionState, tenants: Mapping[str, TenantCap]) -> None:
+    for cluster, cap in tenants.items():
+        before = previous.tenants.get(cluster)
+        if cap.enforced != (before is not None and before.enforced):
+            log.info("tenant limit %s: %s", cluster,
+                     f"enforced at {cap.rate:.3g} requests/s per tenant per Envoy"
+                     if cap.enforced else "off (the pool has room)")
 
 
 def _log_changes(previous: AdmissionState, budgets: Mapping[str, PoolBudget]) -> None:

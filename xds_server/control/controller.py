@@ -139,9 +139,11 @@ class Controller:
         classes; only when one changed."""
         percent = self.rollouts.percents()
         retry_after = self.admission.retry_after(self.config)
+        tenants = self.admission.tenant_levels()
         if self._routing is None or not self._routing.built_from(self.config, percent, self.auto,
-                                                                 retry_after):
-            self._routing = route_resources(self.config, percent, self.auto, retry_after)
+                                                                 retry_after, tenants):
+            self._routing = route_resources(self.config, percent, self.auto, retry_after,
+                                            tenants)
 
     @property
     def sources(self) -> dict[str, TelemetrySource]:
@@ -301,8 +303,8 @@ class Controller:
             self._sync_routes()
 
     def _update_admission(self) -> None:
-        """Each admitting pool's budget from the weights just applied; the routes follow
-        when a Retry-After changed."""
+        """Each admitting pool's budget and tenant cap from the weights just applied; the
+        routes follow when a Retry-After or a tenant cap level changed."""
         self.admission = next_admission(self.config, self.weights, self.admission, self.envoys)
         _export_admission(self.admission, self.config)
         self._sync_routes()
@@ -322,7 +324,7 @@ class Controller:
         """Every resource to serve, from the current inputs (:func:`envoy.build.build_resources`)."""
         assert self._routing is not None  # built by apply_config
         return build_resources(self._static, self._routing, self.weights,
-                               self.admission.limits(self.config))
+                               self.admission.limits(self.config), self.admission.enforced())
 
     def publish(self, read_at: float | None = None) -> bool:
         """Build, check and publish a snapshot. An inconsistent one is refused (our fault):
@@ -349,8 +351,10 @@ class Controller:
         """What the routes of :meth:`resources` are built from; published with the snapshot,
         per-node views are computed from it (`envoy.views`)."""
         routing = self._routing
-        return ViewInputs(self.config, self.canary_percent,
-                          routing.retry_after if routing is not None else {})
+        if routing is None:
+            return ViewInputs(self.config, self.canary_percent)
+        return ViewInputs(self.config, self.canary_percent, routing.retry_after,
+                          routing.tenants)
 
     def _build(self) -> Snapshot | InconsistentSnapshotError:
         try:
@@ -411,13 +415,17 @@ class Controller:
 
 def _export_admission(state: AdmissionState, config: Config) -> None:
     """The budgets in force as gauges (`trimtab_admission_*`); clusters without one vanish."""
-    for gauge in (metrics.ADMISSION_LIMIT, metrics.ADMISSION_BUDGET, metrics.ADMISSION_ENVOYS):
+    for gauge in (metrics.ADMISSION_LIMIT, metrics.ADMISSION_BUDGET, metrics.ADMISSION_ENVOYS,
+                  metrics.ADMISSION_TENANT_RATE, metrics.ADMISSION_TENANT_ENFORCED):
         gauge.clear()
     for cluster, limits in state.limits(config).items():
         metrics.ADMISSION_LIMIT.labels(cluster, "interactive").set(limits.interactive)
         metrics.ADMISSION_LIMIT.labels(cluster, "batch").set(limits.batch)
         metrics.ADMISSION_BUDGET.labels(cluster).set(state.budgets[cluster].in_flight or 0)
         metrics.ADMISSION_ENVOYS.labels(cluster).set(state.envoys.get(cluster, 1))
+    for cluster, cap in state.tenants.items():
+        metrics.ADMISSION_TENANT_RATE.labels(cluster).set(cap.rate)
+        metrics.ADMISSION_TENANT_ENFORCED.labels(cluster).set(1 if cap.enforced else 0)
 
 
 def freeze_startup_heap() -> bool:

@@ -8,7 +8,7 @@ ClusterLoadAssignments follow the weights (:func:`build_resources`)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from google.protobuf.message import Message
@@ -61,23 +61,29 @@ class RouteResources:
     auto_clusters: tuple[Message, ...]
     routes: Message
     retry_after: Mapping[str, int] = field(default_factory=dict)
+    tenants: Mapping[str, int] = field(default_factory=dict)
 
     def built_from(self, config: Config, canary_percent: Mapping[str, float],
-                   auto: AutoClasses, retry_after: Mapping[str, int] | None = None) -> bool:
+                   auto: AutoClasses, retry_after: Mapping[str, int] | None = None,
+                   tenants: Mapping[str, int] | None = None) -> bool:
         return (self.config is config and self.canary_percent == canary_percent
-                and self.auto == auto and dict(self.retry_after) == dict(retry_after or {}))
+                and self.auto == auto and dict(self.retry_after) == dict(retry_after or {})
+                and dict(self.tenants) == dict(tenants or {}))
 
 
 def route_resources(config: Config, canary_percent: Mapping[str, float],
-                    auto: AutoClasses, retry_after: Mapping[str, int] | None = None
-                    ) -> RouteResources:
-    """``retry_after``: each admitting pool's Retry-After (quantised: it changes rarely)."""
+                    auto: AutoClasses, retry_after: Mapping[str, int] | None = None,
+                    tenants: Mapping[str, int] | None = None) -> RouteResources:
+    """``retry_after``: each admitting pool's Retry-After; ``tenants``: each pool's tenant
+    cap level (both quantised: they change rarely)."""
     auto_clusters = tuple(build_cluster(config.pool(name), c.cluster)
                           for name, classes in auto.items() for c in classes)
     retry_after = dict(retry_after or {})
+    tenants = dict(tenants or {})
     return RouteResources(config, canary_percent, auto, auto_clusters,
-                          build_route_config(config, canary_percent, auto, retry_after),
-                          retry_after)
+                          build_route_config(config, canary_percent, auto, retry_after,
+                                             tenants),
+                          retry_after, tenants)
 
 
 def eds_health(health: str) -> str:
@@ -108,12 +114,13 @@ def endpoint_settings(weights: Mapping[str, PoolWeights]
 
 def build_resources(static: ConfigResources, routing: RouteResources,
                     weights: Mapping[str, PoolWeights],
-                    limits: Mapping[str, ClusterLimits] | None = None
-                    ) -> dict[str, list[Message]]:
+                    limits: Mapping[str, ClusterLimits] | None = None,
+                    enforced: Iterable[str] = ()) -> dict[str, list[Message]]:
     """Every resource by type URL: the config's clusters and the derived ones, a
     ClusterLoadAssignment per cluster with its weights, the listener, the routes and the
-    admission layer (``limits``: one Envoy's limits per cluster; always served, empty when
-    nothing is limited, so an Envoy whose bootstrap names the layer never waits for it)."""
+    admission layer (``limits``: one Envoy's limits per cluster; ``enforced``: the clusters
+    whose tenant limit refuses now; always served, empty when nothing is limited, so an
+    Envoy whose bootstrap names the layer never waits for it)."""
     settings = endpoint_settings(weights)
     config = static.config
     assignments = [build_load_assignment(name, endpoints, settings.get(name, {}))
@@ -124,7 +131,7 @@ def build_resources(static: ConfigResources, routing: RouteResources,
                              *_auto_assignments(config, routing.auto, settings, weights)],
         type_urls.LISTENER: [static.listener],
         type_urls.ROUTE: [routing.routes],
-        type_urls.RUNTIME: [runtime_layer(limits or {})],
+        type_urls.RUNTIME: [runtime_layer(limits or {}, enforced)],
     }
 
 

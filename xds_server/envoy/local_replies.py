@@ -1,5 +1,6 @@
 """Answers when nothing can serve: ``local_reply_config`` mappers turn Envoy's own replies,
-picked by response flag (UH no healthy upstream, UO overflow, UT timeout, ...), into
+picked by response flag (UH no healthy upstream, UO overflow, RL a tenant over its rate,
+UT timeout, ...), into
 OpenAI-shaped JSON errors (``{"error": {"message", "type", "code"}}``) with the right status
 and ``Retry-After``; a pool's ``static_response`` answers instead of its 503 when it has no
 healthy host. Measured facts: docs/envoy-routing-notes.md."""
@@ -11,7 +12,7 @@ from typing import Any
 
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
-from xds_server.envoy.admission import RETRY_AFTER_KEY
+from xds_server.envoy.admission import RETRY_AFTER_KEY, tenant_filter
 from xds_server.envoy.request_features import MODEL_HEADER, _metadata
 
 # Flags of "no server could take it": none healthy (UH); or, since Envoy's panic threshold
@@ -24,6 +25,11 @@ _REPLIES: list[tuple[list[str], int, str, str, str, bool]] = [
     # over the admission budget (a circuit breaker: envoy/admission.py): refused, not failed
     (["UO"], 429, "requests", "rate_limit_exceeded",
      "The servers for this model are at capacity; retry after Retry-After seconds.", True),
+    # a tenant over its share of a pressed pool (the local rate limit: envoy/admission.py);
+    # only in listeners with that filter, so other configs' listeners stay as they were
+    (["RL"], 429, "requests", "rate_limit_exceeded",
+     "This model's servers are at capacity and you are over your share of them; retry after "
+     "Retry-After seconds.", True),
     (_UNREACHABLE, 503, "server_error", "upstream_unavailable",
      "The server for this model could not be reached.", True),
     (["NC"], 503, "server_error", "no_cluster",
@@ -85,11 +91,14 @@ def local_reply_config(config: Config) -> dict[str, Any]:
     """HCM ``local_reply_config``: per-pool static answers first, then the JSON errors.
     Route ``direct_response``s (our 404/400 JSON) carry no response flag and stay as they are."""
     mappers = [_static_mapper(pool) for pool in config.pools if pool.static_response is not None]
+    tenants = tenant_filter(config) is not None
     for flags, status, kind, code, message, retry in _REPLIES:
+        if flags == ["RL"] and not tenants:
+            continue
         mapper: dict[str, Any] = {"filter": {"response_flag_filter": {"flags": flags}},
                                   "status_code": status,
                                   "body_format_override": _error_body(message, kind, code)}
-        headers = _retry_after(config, predicted="UO" in flags) if retry else []
+        headers = _retry_after(config, predicted=bool({"UO", "RL"} & set(flags))) if retry else []
         if headers:
             mapper["headers_to_add"] = headers
         mappers.append(mapper)

@@ -278,8 +278,8 @@ def scope_classifier(config: Config, pool: PoolConfig, routes: list[dict[str, An
     route, so it is the pool's route they see)."""
     if classifier_used(config) and pool.intent_tiers:
         for route in routes:
-            route["typed_per_filter_config"] = {EXT_PROC: {
-                "@type": _EXT_PROC_ROUTE, "overrides": {"failure_mode_allow": True}}}
+            route.setdefault("typed_per_filter_config", {})[EXT_PROC] = {
+                "@type": _EXT_PROC_ROUTE, "overrides": {"failure_mode_allow": True}}
     if any(cls.modality is not None for cls in pool.request_classes):
         for route in routes:
             route[_INSPECTS] = True

@@ -20,6 +20,7 @@ from typing import Any
 from envoy.config.listener.v3 import listener_pb2
 from envoy.config.route.v3 import route_pb2
 from envoy.extensions.filters.http.json_to_metadata.v3 import json_to_metadata_pb2  # noqa: F401
+from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2  # noqa: F401
 from envoy.extensions.filters.http.router.v3 import router_pb2  # noqa: F401
 from envoy.extensions.filters.network.http_connection_manager.v3 import (  # noqa: F401
     http_connection_manager_pb2,
@@ -34,7 +35,7 @@ from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy import request_features
-from xds_server.envoy.admission import admission_routes
+from xds_server.envoy.admission import admission_routes, tenant_filter
 from xds_server.envoy.local_replies import local_reply_config
 from xds_server.envoy.prompt_classes import AutoClass
 
@@ -150,7 +151,8 @@ def _retry_after(config: Config, pool: PoolConfig, retry_after: Mapping[str, int
 def _pool_routes(config: Config, pool: PoolConfig, source: str,
                  canary: Mapping[str, float],
                  auto: Sequence[AutoClass] = (),
-                 retry_after: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                 retry_after: Mapping[str, int] | None = None,
+                 tenants: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
@@ -182,28 +184,32 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
                    "route": _action(pool, percent)})
     wait = _retry_after(config, pool, retry_after)
-    return request_features.scope_classifier(config, pool, admission_routes(pool, routes, wait))
+    level = (tenants or {}).get(pool.name)
+    return request_features.scope_classifier(config, pool,
+                                             admission_routes(pool, routes, wait, level))
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None,
                  auto: Mapping[str, Sequence[AutoClass]] | None = None,
-                 retry_after: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                 retry_after: Mapping[str, int] | None = None,
+                 tenants: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
     """Header routes, then body routes, then the unknown-model and no-model answers.
     ``auto``: each pool's derived prompt-size classes (``long_context: auto``);
-    ``retry_after``: each admitting pool's Retry-After for refusals (envoy/admission.py)."""
+    ``retry_after``: each admitting pool's Retry-After for refusals; ``tenants``: each
+    pool's tenant cap level, for pools with a tenant header (both envoy/admission.py)."""
     canary = canary or {}
     auto = auto or {}
     routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
     routes: list[dict[str, Any]] = []
     for pool in routable:
         routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()),
-                               retry_after)
+                               retry_after, tenants)
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
     for pool in routable:
         routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()),
-                               retry_after)
+                               retry_after, tenants)
     unknown = {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
                                      "value": {"present_match": True}}]}
     routes.append(_json_error("body:unknown", unknown, 404, "model_not_found",
@@ -213,7 +219,7 @@ def model_routes(config: Config, canary: Mapping[str, float] | None = None,
         wait = _retry_after(config, only, retry_after)
         routes += admission_routes(only, [{"name": "default", "match": {"prefix": "/"},
                                            "route": _action(only, canary.get(only.name, 0.0))}],
-                                   wait)
+                                   wait, (tenants or {}).get(only.name))
     else:
         routes.append(_json_error("no-model", {}, 400, "model_required",
                                   "Name a model in the JSON body or the x-model header."))
@@ -229,11 +235,12 @@ def _class_only(config: Config) -> set[str]:
 
 def build_route_config(config: Config, canary: Mapping[str, float] | None = None,
                        auto: Mapping[str, Sequence[AutoClass]] | None = None,
-                       retry_after: Mapping[str, int] | None = None
+                       retry_after: Mapping[str, int] | None = None,
+                       tenants: Mapping[str, int] | None = None
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
         {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
-            config, model_routes(config, canary, auto, retry_after))}]}
+            config, model_routes(config, canary, auto, retry_after, tenants))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 
@@ -244,6 +251,7 @@ def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
     extra = request_features.json_rules(config) if config is not None else []
     lua = request_features.lua_filter(config) if config is not None else None
     hop = request_features.ext_proc_filter(config) if config is not None else None
+    tenants = tenant_filter(config) if config is not None else None
     json_to_metadata = {
         "@type": f"{_FILTERS}.http.json_to_metadata.v3.JsonToMetadata",
         "request_rules": {"rules": [rule, *extra],
@@ -254,6 +262,7 @@ def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
         {"name": "envoy.filters.http.json_to_metadata", "typed_config": json_to_metadata},
         *([lua] if lua is not None else []),
         *([hop] if hop is not None else []),
+        *([tenants] if tenants is not None else []),  # after the route is final
         {"name": "envoy.filters.http.router",
          "typed_config": {"@type": f"{_FILTERS}.http.router.v3.Router"}},
     ]

@@ -47,11 +47,13 @@ class ViewInputs:
     config: Config
     canary_percent: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
     retry_after: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    tenants: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
 
     def same_as(self, other: ViewInputs | None) -> bool:
         return (other is not None and other.config is self.config
                 and other.canary_percent is self.canary_percent
-                and other.retry_after is self.retry_after)
+                and other.retry_after is self.retry_after
+                and other.tenants is self.tenants)
 
 
 def pool_closure(config: Config, pools: Iterable[str]) -> set[str]:
@@ -85,7 +87,8 @@ def view_route(inputs: ViewInputs, pools: frozenset[str]) -> Resource:
     """The RouteConfiguration of the view of `pools`: routed as a trimtab with only them."""
     sub_config = view_config(inputs.config, pools)
     return make_resource(type_urls.ROUTE, build_route_config(sub_config, inputs.canary_percent,
-                                                             retry_after=inputs.retry_after))
+                                                             retry_after=inputs.retry_after,
+                                                             tenants=inputs.tenants))
 
 
 def _only(items: Mapping[str, Resource], names: set[str]) -> Mapping[str, Resource]:
