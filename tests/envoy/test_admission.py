@@ -128,8 +128,8 @@ def test_the_listener_has_the_filter_before_the_router_only_with_a_tenant_header
 
 def test_a_tenant_over_its_share_gets_the_openai_429_with_the_routes_retry_after() -> None:
     mappers = local_reply_config(_tenant_config())["mappers"]
-    (rl,) = [m for m in mappers if m["filter"].get("response_flag_filter", {}).get("flags")
-             == ["RL"]]
+    rl = mappers[-2]  # after the budget's (flag UO), before the 413's: picked by status 429
+    assert rl["filter"]["status_code_filter"]["comparison"]["value"]["default_value"] == 429
     assert rl["status_code"] == 429
     body = json.loads(rl["body_format_override"]["text_format_source"]["inline_string"])
     assert set(body) == {"error"} and body["error"]["code"] == "rate_limit_exceeded"
@@ -137,8 +137,7 @@ def test_a_tenant_over_its_share_gets_the_openai_429_with_the_routes_retry_after
     assert rl["headers_to_add"][-1]["header"] == {
         "key": "retry-after", "value": "%METADATA(ROUTE:trimtab:retry_after)%"}
     plain = local_reply_config(_config())["mappers"]
-    assert not any(m["filter"].get("response_flag_filter", {}).get("flags") == ["RL"]
-                   for m in plain)
+    assert len(plain) == len(mappers) - 1 and plain[-2]["status_code"] != 429
 
 
 def test_the_layer_turns_enforcement_on_for_pressed_pools_only() -> None:

@@ -1,6 +1,6 @@
 """Answers when nothing can serve: ``local_reply_config`` mappers turn Envoy's own replies,
-picked by response flag (UH no healthy upstream, UO overflow, RL a tenant over its rate,
-UT timeout, ...), into
+picked by response flag (UH no healthy upstream, UO overflow, UT timeout, ...) or, for a
+tenant over its rate, by status 429, into
 OpenAI-shaped JSON errors (``{"error": {"message", "type", "code"}}``) with the right status
 and ``Retry-After``; a pool's ``static_response`` answers instead of its 503 when it has no
 healthy host. Measured facts: docs/envoy-routing-notes.md."""
@@ -25,11 +25,6 @@ _REPLIES: list[tuple[list[str], int, str, str, str, bool]] = [
     # over the admission budget (a circuit breaker: envoy/admission.py): refused, not failed
     (["UO"], 429, "requests", "rate_limit_exceeded",
      "The servers for this model are at capacity; retry after Retry-After seconds.", True),
-    # a tenant over its share of a pressed pool (the local rate limit: envoy/admission.py);
-    # only in listeners with that filter, so other configs' listeners stay as they were
-    (["RL"], 429, "requests", "rate_limit_exceeded",
-     "This model's servers are at capacity and you are over your share of them; retry after "
-     "Retry-After seconds.", True),
     (_UNREACHABLE, 503, "server_error", "upstream_unavailable",
      "The server for this model could not be reached.", True),
     (["NC"], 503, "server_error", "no_cluster",
@@ -87,21 +82,34 @@ def _static_mapper(pool: PoolConfig) -> dict[str, Any]:
                                      "content_type": static.content_type}}
 
 
+def _tenant_mapper(config: Config) -> dict[str, Any]:
+    """A tenant over its share of a pressed pool (the local rate limit, envoy/admission.py):
+    the budget's 429 with the route's Retry-After. Picked by status, not by the flag RL:
+    Envoy's local_ratelimit flags the stream only after its local reply (measured on 1.40),
+    and no other local reply here is a 429 (the budget's, flag UO, is matched before)."""
+    status = {"status_code_filter": {"comparison": {
+        "op": "EQ", "value": {"default_value": 429, "runtime_key": "trimtab.local_reply.429"}}}}
+    return {"filter": status, "status_code": 429,
+            "headers_to_add": _retry_after(config, predicted=True),
+            "body_format_override": _error_body(
+                "This model's servers are at capacity and you are over your share of them; "
+                "retry after Retry-After seconds.", "requests", "rate_limit_exceeded")}
+
+
 def local_reply_config(config: Config) -> dict[str, Any]:
     """HCM ``local_reply_config``: per-pool static answers first, then the JSON errors.
     Route ``direct_response``s (our 404/400 JSON) carry no response flag and stay as they are."""
     mappers = [_static_mapper(pool) for pool in config.pools if pool.static_response is not None]
-    tenants = tenant_filter(config) is not None
     for flags, status, kind, code, message, retry in _REPLIES:
-        if flags == ["RL"] and not tenants:
-            continue
         mapper: dict[str, Any] = {"filter": {"response_flag_filter": {"flags": flags}},
                                   "status_code": status,
                                   "body_format_override": _error_body(message, kind, code)}
-        headers = _retry_after(config, predicted=bool({"UO", "RL"} & set(flags))) if retry else []
+        headers = _retry_after(config, predicted="UO" in flags) if retry else []
         if headers:
             mapper["headers_to_add"] = headers
         mappers.append(mapper)
+    if tenant_filter(config) is not None:
+        mappers.append(_tenant_mapper(config))
     too_large = {"status_code_filter": {"comparison": {
         "op": "EQ", "value": {"default_value": 413, "runtime_key": "trimtab.local_reply.413"}}}}
     mappers.append({"filter": too_large, "body_format_override": _error_body(
