@@ -14,6 +14,7 @@ from weight_calculator.fairness import TenantCap
 from weight_calculator.health import HEALTHY
 from weight_calculator.types import EndpointWeight, PoolWeights
 from xds_server.config.load import parse_config
+from xds_server.config.schema import Config
 from xds_server.control.admission import AdmissionState, next_state
 from xds_server.envoy.admission import (
     ANONYMOUS,
@@ -27,8 +28,8 @@ from xds_server.envoy.local_replies import local_reply_config
 from xds_server.envoy.routes import build_listener, build_route_config
 
 
-def _config(**admission: object) -> object:
-    pool = {"name": "chat", "model": "m", "endpoints": [{"address": "127.0.0.1:8000"}],
+def _config(**admission: object) -> Config:
+    pool: dict[str, object] = {"name": "chat", "model": "m", "endpoints": [{"address": "127.0.0.1:8000"}],
             "slo": {"ttft_seconds": 3}}
     if admission:
         pool["admission"] = admission
@@ -79,7 +80,7 @@ def test_retry_after_moves_by_powers_of_two() -> None:
         1, 1, 2, 4, 16, 60, 60]
 
 
-def _tenant_config(**admission: object) -> object:
+def _tenant_config(**admission: object) -> Config:
     return _config(tenant_header="X-Tenant", max_tenants=500, **admission)
 
 
@@ -118,7 +119,7 @@ def test_no_cap_yet_or_no_header_means_no_tenant_limit() -> None:
 
 
 def test_the_listener_has_the_filter_before_the_router_only_with_a_tenant_header() -> None:
-    def filters(config: object) -> list[str]:
+    def filters(config: Config) -> list[str]:
         hcm = json_format.MessageToDict(build_listener(config))["filterChains"][0]["filters"][0]
         return [f["name"] for f in hcm["typedConfig"]["httpFilters"]]
 

@@ -188,7 +188,7 @@ class AdmissionConfig(Model):
     # header, enforced only while the pool is pressed; None: off
     tenant_header: str | None = Field(None, min_length=1, max_length=128,
                                       pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-    max_tenants: int = Field(10_000, ge=1, le=1_000_000)  # Envoy's buckets, least recent dropped
+    max_tenants: int = Field(10_000, ge=1, le=100_000)  # buckets per route, least recent dropped
 
 
 class OutlierDetectionConfig(Model):
