@@ -454,6 +454,10 @@ def test_a_ttft_slo_turns_admission_on_for_trimtab_only(tmp_path: Path,
     config = envoy_configs.trimtab_config(model="m", addresses=["127.0.0.1:1"], xds_port=1,
                                           admin_port=2, listener_port=3, ttft_slo_s=3.0)
     assert [p["slo"] for p in config["pools"]] == [{"ttft_seconds": 3.0}]
+    fair = envoy_configs.trimtab_config(model="m", addresses=["127.0.0.1:1"], xds_port=1,
+                                        admin_port=2, listener_port=3, ttft_slo_s=3.0,
+                                        tenant_header="x-tenant")
+    assert [p["admission"] for p in fair["pools"]] == [{"tenant_header": "x-tenant"}]
     plain = envoy_configs.trimtab_config(model="m", addresses=["127.0.0.1:1"], xds_port=1,
                                          admin_port=2, listener_port=3)
     assert all("slo" not in p for p in plain["pools"])

@@ -114,6 +114,7 @@ def run_policy(policy: str, fleet: Fleet, w: Workload, s: BenchSettings) -> Load
     stack = PolicyStack(policy, fleet, Path(s.out), weights=s.weights, interval=s.interval,
                         composite=s.composite, lb_policy=s.lb_policy, queueing=s.queueing,
                         active_request_bias=s.active_request_bias, ttft_slo_s=w.ttft_slo_s,
+                        tenant_header=w.tenants.header if w.tenants else None,
                         long_context="auto" if s.auto_classes else long_context_for(
                             fleet, w, s.long_context_tokens, s.long_context_kv_factor))
     try:

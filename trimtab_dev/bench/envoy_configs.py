@@ -191,9 +191,11 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
                    lb_policy: str = "least_request",
                    queueing: Mapping[str, Any] | None = None,
                    active_request_bias: float | None = None,
-                   ttft_slo_s: float | None = None) -> dict[str, Any]:
+                   ttft_slo_s: float | None = None,
+                   tenant_header: str | None = None) -> dict[str, Any]:
     """``trimtab serve`` config: one pool of the fleet, ``lb_policy`` on trimtab's weights;
-    with ``ttft_slo_s`` (the workload's), every pool's ``slo.ttft_seconds``: admission on.
+    with ``ttft_slo_s`` (the workload's), every pool's ``slo.ttft_seconds``: admission on, and
+    with ``tenant_header`` too (the workload's tenants), tenant fairness.
 
     Capacity is left to the servers' ``vllm:cache_config_info``; staleness after three ticks
     (the product's 6 s at the default 2 s tick). ``composite`` overrides knobs of the
@@ -210,6 +212,8 @@ def trimtab_config(*, model: str, addresses: Sequence[str], xds_port: int, admin
     if ttft_slo_s is not None:
         for pool in pools:
             pool["slo"] = {"ttft_seconds": ttft_slo_s}
+            if tenant_header is not None:
+                pool["admission"] = {"tenant_header": tenant_header}
     return {
         "xds": {"address": f"127.0.0.1:{xds_port}"},
         "admin": {"address": f"127.0.0.1:{admin_port}"},

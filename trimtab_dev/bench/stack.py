@@ -36,7 +36,8 @@ class PolicyStack:
                  long_context: envoy_configs.LongContext | str | None = None,
                  lb_policy: str = "least_request", queueing: dict[str, Any] | None = None,
                  active_request_bias: float | None = None,
-                 ttft_slo_s: float | None = None) -> None:
+                 ttft_slo_s: float | None = None, tenant_header: str | None = None
+                 ) -> None:
         if policy not in envoy_configs.POLICIES:
             raise ValueError(f"unknown policy {policy!r}")
         if policy == envoy_configs.REFERENCE:
@@ -50,6 +51,7 @@ class PolicyStack:
         self.long_context = long_context
         # the workload's SLO becomes trimtab's (admission); the reference has none
         self.ttft_slo_s = ttft_slo_s if policy == "trimtab" else None
+        self.tenant_header = tenant_header
         self.listener_port = listener_port or free_port()
         self.envoy_admin_port = free_port()
         self.trimtab_admin_port = trimtab_admin_port or free_port()
@@ -100,7 +102,8 @@ class PolicyStack:
             admin_port=self.trimtab_admin_port, listener_port=self.listener_port,
             weights=self.weights, interval=self.interval, composite=self.composite,
             long_context=self.long_context, lb_policy=self.lb_policy, queueing=self.queueing,
-            active_request_bias=self.active_request_bias, ttft_slo_s=self.ttft_slo_s)
+            active_request_bias=self.active_request_bias, ttft_slo_s=self.ttft_slo_s,
+            tenant_header=self.tenant_header)
         name = "trimtab" if self.policy == "trimtab" else f"trimtab-{self.policy}"
         path = self.workdir / f"{name}.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
