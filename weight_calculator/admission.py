@@ -59,8 +59,9 @@ class PoolBudget:
     """``in_flight``: the pool's budget (requests in flight across every Envoy), None when
     nothing is measured yet (admit everything). ``serving``: what the endpoints run at once
     (the floor); ``held``: what they run and queue now; ``rate``: their completions a
-    second (``weight_calculator.fairness`` steers the tenant cap by these). ``retry_after_s``: when a refused request may expect room: the time the
-    pool needs to finish what it holds beyond the budget, and one more."""
+    second (fairness and spill steer by these). ``retry_after_s``: when a refused request
+    may expect room: the time the pool needs to finish what it holds beyond the budget, and
+    one more."""
 
     in_flight: int | None
     serving: int

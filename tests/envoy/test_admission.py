@@ -20,6 +20,7 @@ from xds_server.envoy.admission import (
     ANONYMOUS,
     TENANT_FILTER,
     ClusterLimits,
+    RouteAdmission,
     retry_after_seconds,
     runtime_layer,
     tenant_bucket,
@@ -46,7 +47,7 @@ def test_the_layer_holds_each_clusters_limit_per_priority() -> None:
 
 
 def test_routes_of_an_admitting_pool_carry_priority_and_retry_after() -> None:
-    routes = build_route_config(_config(), retry_after={"chat": 4}).virtual_hosts[0].routes
+    routes = build_route_config(_config(), admission=RouteAdmission(retry_after={"chat": 4})).virtual_hosts[0].routes
     chat = [r for r in routes if r.name.startswith("body:chat")]
     assert [r.name for r in chat] == ["body:chat:batch", "body:chat"]
     batch, plain = chat
@@ -87,7 +88,7 @@ def _tenant_config(**admission: object) -> Config:
 def test_tenant_routes_carry_a_bucket_per_tenant_at_the_cap() -> None:
     from envoy.extensions.filters.http.local_ratelimit.v3 import local_rate_limit_pb2
 
-    routes = build_route_config(_tenant_config(), tenants={"chat": 8}).virtual_hosts[0].routes
+    routes = build_route_config(_tenant_config(), admission=RouteAdmission(tenants={"chat": 8})).virtual_hosts[0].routes
     chat = [r for r in routes if r.name.startswith(("body:chat", "header:chat"))]
     assert len(chat) == 4
     for route in chat:
@@ -114,7 +115,7 @@ def test_tenant_routes_carry_a_bucket_per_tenant_at_the_cap() -> None:
 def test_no_cap_yet_or_no_header_means_no_tenant_limit() -> None:
     unmeasured = build_route_config(_tenant_config()).virtual_hosts[0].routes
     assert not any(TENANT_FILTER in r.typed_per_filter_config for r in unmeasured)
-    plain = build_route_config(_config(), tenants={"chat": 8}).virtual_hosts[0].routes
+    plain = build_route_config(_config(), admission=RouteAdmission(tenants={"chat": 8})).virtual_hosts[0].routes
     assert not any(TENANT_FILTER in r.typed_per_filter_config for r in plain)
 
 
@@ -168,3 +169,51 @@ def test_each_tick_steers_the_cap_of_a_pool_with_a_tenant_header() -> None:
     second = next_state(_tenant_config(), weights, first, lambda pool: 1)
     assert second.tenants["chat"].level == 0 and second.enforced() == ["chat"]
     assert next_state(_config(), weights, AdmissionState(), lambda pool: 1).tenants == {}
+
+
+def _fallback_config(**chat: object) -> object:
+    return parse_config({"pools": [
+        {"name": "chat", "model": "m", "endpoints": [{"address": "127.0.0.1:8000"}],
+         "slo": {"ttft_seconds": 3}, "fallback": "spare", **chat},
+        {"name": "spare", "model": "s", "endpoints": [{"address": "127.0.0.1:8001"}]}]})
+
+
+def _plain_route(config: object, spill: int) -> object:
+    routes = build_route_config(config, admission=RouteAdmission(spill={"chat": spill}))
+    return next(r for r in routes.virtual_hosts[0].routes if r.name == "body:chat")
+
+
+def test_a_spill_splits_the_pools_traffic_with_its_fallback() -> None:
+    config = _fallback_config()
+    assert _plain_route(config, 0).route.cluster == "chat-with-fallback"
+    split = _plain_route(config, 300).route.weighted_clusters.clusters
+    assert [(c.name, c.weight.value) for c in split] == [("chat-with-fallback", 700), ("spare", 300)]
+    assert _plain_route(config, 1000).route.cluster == "spare"
+
+
+def test_a_spill_shares_what_the_canary_leaves() -> None:
+    config = parse_config({"pools": [
+        {"name": "chat", "model": "m", "slo": {"ttft_seconds": 3}, "fallback": "spare",
+         "versions": {"stable": {"endpoints": [{"address": "127.0.0.1:8000"}]},
+                      "canary": {"endpoints": [{"address": "127.0.0.1:8002"}]}}},
+        {"name": "spare", "model": "s", "endpoints": [{"address": "127.0.0.1:8001"}]}]})
+    routes = build_route_config(config, {"chat": 20.0},
+                                admission=RouteAdmission(spill={"chat": 500}))
+    plain = next(r for r in routes.virtual_hosts[0].routes if r.name == "body:chat")
+    assert [(c.name, c.weight.value) for c in plain.route.weighted_clusters.clusters] == [
+        ("chat-with-fallback", 400), ("spare", 400), ("chat-canary", 200)]
+    canary = next(r for r in routes.virtual_hosts[0].routes if r.name == "body:chat:canary")
+    assert canary.route.cluster == "chat-canary"  # a forced version never spills
+
+
+def test_the_state_spills_a_pressed_pool_with_a_fallback_only() -> None:
+    full = EndpointWeight(50, False, False, {"running": 8.0, "queue": 30.0}, 0.0, "ok", HEALTHY,
+                          {"service_rate_used": 2000.0, "work_per_request": 1000.0})
+    weights = {"chat": PoolWeights({"127.0.0.1:8000": full}, fail_static=False)}
+    first = next_state(_fallback_config(), weights, AdmissionState(), lambda pool: 1)
+    second = next_state(_fallback_config(), weights, first, lambda pool: 1)
+    assert first.spill == {"chat": 100} and second.spill == {"chat": 200}
+    assert second.routes(_fallback_config()).spill == {"chat": 200}
+    off = _fallback_config(admission={"spill_to_fallback": False})
+    assert next_state(off, weights, AdmissionState(), lambda pool: 1).spill == {}
+    assert next_state(_config(), weights, AdmissionState(), lambda pool: 1).spill == {}

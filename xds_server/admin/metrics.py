@@ -33,6 +33,9 @@ ADMISSION_LIMIT = Gauge("trimtab_admission_limit",
 ADMISSION_BUDGET = Gauge("trimtab_admission_budget",
                          "A cluster's admission budget: requests in flight across every Envoy",
                          ["cluster"])
+ADMISSION_SPILL = Gauge("trimtab_admission_spill",
+                        "Share of a pool's new requests sent to its fallback while it is over "
+                        "its admission budget (0..1)", ["pool"])
 ADMISSION_ENVOYS = Gauge("trimtab_admission_envoys",
                          "Envoys sharing a cluster's admission budget", ["cluster"])
 ADMISSION_TENANT_RATE = Gauge("trimtab_admission_tenant_rate",

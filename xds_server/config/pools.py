@@ -184,6 +184,8 @@ class AdmissionConfig(Model):
     default_priority: Literal["interactive", "batch"] = "interactive"
     batch_share: float = Field(0.5, gt=0, le=1)  # of the budget batch requests may hold
     envoys: int | None = Field(None, ge=1, le=100_000)  # None: counted from the xDS streams
+    # a pool with a `fallback`: while over its budget, send a share of new requests there
+    spill_to_fallback: bool = True
     # tenant fairness (xds_server/envoy/admission.py): one token bucket per value of this
     # header, enforced only while the pool is pressed; None: off
     tenant_header: str | None = Field(None, min_length=1, max_length=128,

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 from weight_calculator.admission import AdmissionPolicy, PoolBudget, per_envoy, pool_budget
 from weight_calculator.fairness import TenantCap, next_cap
+from weight_calculator.spill import next_spill
 from weight_calculator.types import PoolWeights
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
-from xds_server.envoy.admission import ClusterLimits, retry_after_seconds
+from xds_server.envoy.admission import ClusterLimits, RouteAdmission, retry_after_seconds
 
 log = logging.getLogger("trimtab.admission")
 
@@ -39,10 +40,16 @@ class AdmissionState:
     budgets: Mapping[str, PoolBudget] = field(default_factory=dict)
     envoys: Mapping[str, int] = field(default_factory=dict)  # cluster -> Envoys sharing it
     tenants: Mapping[str, TenantCap] = field(default_factory=dict)
+    spill: Mapping[str, int] = field(default_factory=dict)  # pool -> per mille to its fallback
 
     def tenant_levels(self) -> dict[str, int]:
         """Each pool's tenant cap level (its routes carry it)."""
         return {cluster: cap.level for cluster, cap in self.tenants.items()}
+
+    def routes(self, config: Config) -> RouteAdmission:
+        """What the routes carry: Retry-After, tenant cap levels, spills (only non-zero)."""
+        return RouteAdmission(self.retry_after(config), self.tenant_levels(),
+                              {pool: share for pool, share in self.spill.items() if share > 0})
 
     def enforced(self) -> list[str]:
         """The clusters whose tenant limit refuses now (the layer turns it on)."""
@@ -89,9 +96,23 @@ def next_state(config: Config, weights: Mapping[str, PoolWeights], previous: Adm
         cap = _tenant_cap(pool, budgets, counts, previous)
         if cap is not None:
             tenants[pool.name] = cap
+    spill = {pool.name: next_spill(budgets[pool.name], budgets.get(pool.fallback or ""),
+                                   previous.spill.get(pool.name, 0))
+             for pool in config.pools
+             if pool.fallback is not None and pool.admission.spill_to_fallback
+             and pool.name in budgets}
     _log_changes(previous, budgets)
     _log_tenants(previous, tenants)
-    return AdmissionState(budgets, counts, tenants)
+    _log_spill(previous, spill)
+    return AdmissionState(budgets, counts, tenants, spill)
+
+
+def _log_spill(previous: AdmissionState, spill: Mapping[str, int]) -> None:
+    for pool, share in spill.items():
+        if (share > 0) != (previous.spill.get(pool, 0) > 0):
+            log.info("admission %s: %s", pool,
+                     f"over its budget: {share / 10:g} % of new requests go to its fallback"
+                     if share > 0 else "back within its budget: nothing spills")
 
 
 def _tenant_cap(pool: PoolConfig, budgets: Mapping[str, PoolBudget],

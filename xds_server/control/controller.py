@@ -136,14 +136,12 @@ class Controller:
     def _sync_routes(self) -> None:
         """Build the RDS routes (and the derived clusters) from what they depend on: the
         config, the canary shares the rollouts hold (their one home) and the automatic
-        classes; only when one changed."""
+        classes and what admission puts on them; only when one changed."""
         percent = self.rollouts.percents()
-        retry_after = self.admission.retry_after(self.config)
-        tenants = self.admission.tenant_levels()
+        admission = self.admission.routes(self.config)
         if self._routing is None or not self._routing.built_from(self.config, percent, self.auto,
-                                                                 retry_after, tenants):
-            self._routing = route_resources(self.config, percent, self.auto, retry_after,
-                                            tenants)
+                                                                 admission):
+            self._routing = route_resources(self.config, percent, self.auto, admission)
 
     @property
     def sources(self) -> dict[str, TelemetrySource]:
@@ -303,8 +301,8 @@ class Controller:
             self._sync_routes()
 
     def _update_admission(self) -> None:
-        """Each admitting pool's budget and tenant cap from the weights just applied; the
-        routes follow when a Retry-After or a tenant cap level changed."""
+        """Each admitting pool's budget, tenant cap and spill from the weights just applied;
+        the routes follow when what they carry of them changed."""
         self.admission = next_admission(self.config, self.weights, self.admission, self.envoys)
         _export_admission(self.admission, self.config)
         self._sync_routes()
@@ -353,8 +351,7 @@ class Controller:
         routing = self._routing
         if routing is None:
             return ViewInputs(self.config, self.canary_percent)
-        return ViewInputs(self.config, self.canary_percent, routing.retry_after,
-                          routing.tenants)
+        return ViewInputs(self.config, self.canary_percent, routing.admission)
 
     def _build(self) -> Snapshot | InconsistentSnapshotError:
         try:
@@ -416,7 +413,8 @@ class Controller:
 def _export_admission(state: AdmissionState, config: Config) -> None:
     """The budgets in force as gauges (`trimtab_admission_*`); clusters without one vanish."""
     for gauge in (metrics.ADMISSION_LIMIT, metrics.ADMISSION_BUDGET, metrics.ADMISSION_ENVOYS,
-                  metrics.ADMISSION_TENANT_RATE, metrics.ADMISSION_TENANT_ENFORCED):
+                  metrics.ADMISSION_TENANT_RATE, metrics.ADMISSION_TENANT_ENFORCED,
+                  metrics.ADMISSION_SPILL):
         gauge.clear()
     for cluster, limits in state.limits(config).items():
         metrics.ADMISSION_LIMIT.labels(cluster, "interactive").set(limits.interactive)
@@ -426,6 +424,8 @@ def _export_admission(state: AdmissionState, config: Config) -> None:
     for cluster, cap in state.tenants.items():
         metrics.ADMISSION_TENANT_RATE.labels(cluster).set(cap.rate)
         metrics.ADMISSION_TENANT_ENFORCED.labels(cluster).set(1 if cap.enforced else 0)
+    for pool, share in state.spill.items():
+        metrics.ADMISSION_SPILL.labels(pool).set(share / 1000)
 
 
 def freeze_startup_heap() -> bool:

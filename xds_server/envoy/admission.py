@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from envoy.service.runtime.v3 import rtds_pb2
@@ -59,6 +59,21 @@ class ClusterLimits:
 
     interactive: int
     batch: int
+
+
+@dataclass(frozen=True)
+class RouteAdmission:
+    """What the routes carry of admission, per pool name: the Retry-After a refusal is told
+    (seconds), the tenant cap level (pools with a tenant header) and the share of new
+    requests spilled to the fallback pool (per mille; pools with a fallback). Each changes in
+    steps, so the routes are rebuilt rarely."""
+
+    retry_after: Mapping[str, int] = field(default_factory=dict)
+    tenants: Mapping[str, int] = field(default_factory=dict)
+    spill: Mapping[str, int] = field(default_factory=dict)
+
+
+NO_ADMISSION = RouteAdmission()
 
 
 def runtime_key(cluster: str, priority: str) -> str:

@@ -9,7 +9,7 @@ ClusterLoadAssignments follow the weights (:func:`build_resources`)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
@@ -17,7 +17,7 @@ from weight_calculator.health import DEGRADED as DEGRADED_HEALTH
 from weight_calculator.health import STANDBY
 from weight_calculator.types import PoolWeights
 from xds_server.config.schema import Config
-from xds_server.envoy.admission import ClusterLimits, runtime_layer
+from xds_server.envoy.admission import NO_ADMISSION, ClusterLimits, RouteAdmission, runtime_layer
 from xds_server.envoy.clusters import (
     DEGRADED,
     HEALTHY,
@@ -60,30 +60,23 @@ class RouteResources:
     auto: AutoClasses
     auto_clusters: tuple[Message, ...]
     routes: Message
-    retry_after: Mapping[str, int] = field(default_factory=dict)
-    tenants: Mapping[str, int] = field(default_factory=dict)
+    admission: RouteAdmission = NO_ADMISSION
 
     def built_from(self, config: Config, canary_percent: Mapping[str, float],
-                   auto: AutoClasses, retry_after: Mapping[str, int] | None = None,
-                   tenants: Mapping[str, int] | None = None) -> bool:
+                   auto: AutoClasses, admission: RouteAdmission = NO_ADMISSION) -> bool:
         return (self.config is config and self.canary_percent == canary_percent
-                and self.auto == auto and dict(self.retry_after) == dict(retry_after or {})
-                and dict(self.tenants) == dict(tenants or {}))
+                and self.auto == auto and self.admission == admission)
 
 
 def route_resources(config: Config, canary_percent: Mapping[str, float],
-                    auto: AutoClasses, retry_after: Mapping[str, int] | None = None,
-                    tenants: Mapping[str, int] | None = None) -> RouteResources:
-    """``retry_after``: each admitting pool's Retry-After; ``tenants``: each pool's tenant
-    cap level (both quantised: they change rarely)."""
+                    auto: AutoClasses, admission: RouteAdmission = NO_ADMISSION
+                    ) -> RouteResources:
+    """``admission``: what admitting pools' routes carry (quantised: it changes rarely)."""
     auto_clusters = tuple(build_cluster(config.pool(name), c.cluster)
                           for name, classes in auto.items() for c in classes)
-    retry_after = dict(retry_after or {})
-    tenants = dict(tenants or {})
     return RouteResources(config, canary_percent, auto, auto_clusters,
-                          build_route_config(config, canary_percent, auto, retry_after,
-                                             tenants),
-                          retry_after, tenants)
+                          build_route_config(config, canary_percent, auto, admission),
+                          admission)
 
 
 def eds_health(health: str) -> str:

@@ -35,7 +35,12 @@ from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy import request_features
-from xds_server.envoy.admission import admission_routes, tenant_filter
+from xds_server.envoy.admission import (
+    NO_ADMISSION,
+    RouteAdmission,
+    admission_routes,
+    tenant_filter,
+)
 from xds_server.envoy.local_replies import local_reply_config
 from xds_server.envoy.prompt_classes import AutoClass
 
@@ -83,27 +88,48 @@ def _seconds(value: float) -> str:
     return f"{value:.3f}s"
 
 
-def _action(pool: PoolConfig, canary_percent: float, version: str | None = None) -> dict[str, Any]:
+def _action(pool: PoolConfig, canary_percent: float, version: str | None = None,
+            spill: int = 0) -> dict[str, Any]:
     """Where a request for `pool` goes: its stable cluster (through the fallback aggregate when
-    there is one), split with the canary by `canary_percent`, or the version a header forces."""
+    there is one), split with the canary by `canary_percent`, or the version a header forces.
+    ``spill`` (per mille, admission): the share of the stable traffic sent straight to the
+    fallback pool while the pool is over its budget."""
     stable = pool.fallback_cluster if pool.fallback is not None else pool.name
     action: dict[str, Any] = {
         "timeout": _seconds(pool.timeouts.request_seconds),
         "idle_timeout": _seconds(pool.timeouts.idle_seconds),
         "retry_policy": _retry_policy(pool),
     }
+    parts = _stable_parts(pool, stable, spill)
     share = round(canary_percent * 10)  # per mille, so fractional percents survive
     if version == "canary" or (version is None and pool.versions and share >= 1000):
         action["cluster"] = pool.canary_cluster
     elif version == "stable" or not pool.versions or share <= 0:
-        action["cluster"] = stable
-    else:
-        action["weighted_clusters"] = {"clusters": [
-            {"name": stable, "weight": 1000 - share},
-            {"name": pool.canary_cluster, "weight": share}]}
+        _target(action, parts)
+    else:  # the stable side's parts share what the canary leaves
+        _target(action, [*((name, w * (1000 - share) // 1000) for name, w in parts),
+                         (pool.canary_cluster, share)])
     if pool.affinity is not None:
         action["hash_policy"] = [{"header": {"header_name": pool.affinity.header}}]
     return action
+
+
+def _stable_parts(pool: PoolConfig, stable: str, spill: int) -> list[tuple[str, int]]:
+    """The stable target, or (while admission spills) it and the fallback pool, per mille."""
+    if pool.fallback is None or spill <= 0:
+        return [(stable, 1000)]
+    spill = min(1000, spill)
+    return [(stable, 1000 - spill), (pool.fallback, spill)]
+
+
+def _target(action: dict[str, Any], parts: list[tuple[str, int]]) -> None:
+    """One cluster, or weighted clusters (parts of weight 0 left out)."""
+    parts = [(name, weight) for name, weight in parts if weight > 0]
+    if len(parts) == 1:
+        action["cluster"] = parts[0][0]
+        return
+    action["weighted_clusters"] = {"clusters": [{"name": name, "weight": weight}
+                                                for name, weight in parts]}
 
 
 def _json_error(name: str, match: dict[str, Any], status: int, code: str, message: str
@@ -141,30 +167,29 @@ def _auto_action(pool: PoolConfig, cls: AutoClass) -> dict[str, Any]:
     return action
 
 
-def _retry_after(config: Config, pool: PoolConfig, retry_after: Mapping[str, int] | None
-                 ) -> int:
+def _retry_after(config: Config, pool: PoolConfig, admission: RouteAdmission) -> int:
     """The pool's predicted Retry-After, else the configured one (at least 1 s)."""
     default = max(1, config.listener.local_replies.retry_after_seconds)
-    return (retry_after or {}).get(pool.name, default)
+    return admission.retry_after.get(pool.name, default)
 
 
 def _pool_routes(config: Config, pool: PoolConfig, source: str,
                  canary: Mapping[str, float],
                  auto: Sequence[AutoClass] = (),
-                 retry_after: Mapping[str, int] | None = None,
-                 tenants: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                 admission: RouteAdmission = NO_ADMISSION) -> list[dict[str, Any]]:
     """Routes for one pool's model: forced canary versions, prompt-size classes, then plain."""
     routes = []
     percent = canary.get(pool.name, 0.0)
+    spill = admission.spill.get(pool.name, 0)
     routes += request_features.version_routes(config, pool, source,
                                               _model_match(source, pool.model, []),
-                                              _action(pool, percent, "stable"))
+                                              _action(pool, percent, "stable", spill))
     if pool.versions is not None:
         for version in ("canary", "stable"):
             forced = {"name": CANARY_HEADER, "string_match": {"exact": version}}
             routes.append({"name": f"{source}:{pool.name}:{version}",
                            "match": _model_match(source, pool.model, [forced]),
-                           "route": _action(pool, percent, version)})
+                           "route": _action(pool, percent, version, spill)})
     routes += request_features.class_routes(
         pool, source, _model_match(source, pool.model, []),
         lambda name: _action(config.pool(name), canary.get(name, 0.0)))
@@ -182,44 +207,43 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
                        "match": _model_match(source, pool.model, [length]),
                        "route": _auto_action(pool, cls)})
     routes.append({"name": f"{source}:{pool.name}", "match": _model_match(source, pool.model, []),
-                   "route": _action(pool, percent)})
-    wait = _retry_after(config, pool, retry_after)
-    level = (tenants or {}).get(pool.name)
+                   "route": _action(pool, percent, spill=spill)})
+    wait = _retry_after(config, pool, admission)
+    level = admission.tenants.get(pool.name)
     return request_features.scope_classifier(config, pool,
                                              admission_routes(pool, routes, wait, level))
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None,
                  auto: Mapping[str, Sequence[AutoClass]] | None = None,
-                 retry_after: Mapping[str, int] | None = None,
-                 tenants: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+                 admission: RouteAdmission = NO_ADMISSION) -> list[dict[str, Any]]:
     """Header routes, then body routes, then the unknown-model and no-model answers.
     ``auto``: each pool's derived prompt-size classes (``long_context: auto``);
-    ``retry_after``: each admitting pool's Retry-After for refusals; ``tenants``: each
-    pool's tenant cap level, for pools with a tenant header (both envoy/admission.py)."""
+    ``admission``: what admitting pools' routes carry (envoy/admission.py)."""
     canary = canary or {}
     auto = auto or {}
     routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
     routes: list[dict[str, Any]] = []
     for pool in routable:
         routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()),
-                               retry_after, tenants)
+                               admission)
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
     for pool in routable:
         routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()),
-                               retry_after, tenants)
+                               admission)
     unknown = {"dynamic_metadata": [{"filter": METADATA_NAMESPACE, "path": [{"key": "model"}],
                                      "value": {"present_match": True}}]}
     routes.append(_json_error("body:unknown", unknown, 404, "model_not_found",
                               "The requested model is not served here."))
     if len(routable) == 1:
         only = routable[0]
-        wait = _retry_after(config, only, retry_after)
+        wait = _retry_after(config, only, admission)
+        action = _action(only, canary.get(only.name, 0.0), spill=admission.spill.get(only.name, 0))
         routes += admission_routes(only, [{"name": "default", "match": {"prefix": "/"},
-                                           "route": _action(only, canary.get(only.name, 0.0))}],
-                                   wait, (tenants or {}).get(only.name))
+                                           "route": action}],
+                                   wait, admission.tenants.get(only.name))
     else:
         routes.append(_json_error("no-model", {}, 400, "model_required",
                                   "Name a model in the JSON body or the x-model header."))
@@ -235,12 +259,11 @@ def _class_only(config: Config) -> set[str]:
 
 def build_route_config(config: Config, canary: Mapping[str, float] | None = None,
                        auto: Mapping[str, Sequence[AutoClass]] | None = None,
-                       retry_after: Mapping[str, int] | None = None,
-                       tenants: Mapping[str, int] | None = None
+                       admission: RouteAdmission = NO_ADMISSION
                        ) -> route_pb2.RouteConfiguration:
     document = {"name": ROUTE_CONFIG_NAME, "virtual_hosts": [
         {"name": "models", "domains": ["*"], "routes": request_features.disable_classifier_elsewhere(
-            config, model_routes(config, canary, auto, retry_after, tenants))}]}
+            config, model_routes(config, canary, auto, admission))}]}
     return json_format.ParseDict(document, route_pb2.RouteConfiguration())
 
 

@@ -24,6 +24,7 @@ from types import MappingProxyType
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy import request_features
+from xds_server.envoy.admission import NO_ADMISSION, RouteAdmission
 from xds_server.envoy.routes import build_route_config
 from xds_server.xds import type_urls
 from xds_server.xds.snapshot import (
@@ -46,14 +47,12 @@ class ViewInputs:
 
     config: Config
     canary_percent: Mapping[str, float] = field(default_factory=lambda: MappingProxyType({}))
-    retry_after: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
-    tenants: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    admission: RouteAdmission = NO_ADMISSION
 
     def same_as(self, other: ViewInputs | None) -> bool:
         return (other is not None and other.config is self.config
                 and other.canary_percent is self.canary_percent
-                and other.retry_after is self.retry_after
-                and other.tenants is self.tenants)
+                and other.admission is self.admission)
 
 
 def pool_closure(config: Config, pools: Iterable[str]) -> set[str]:
@@ -87,8 +86,7 @@ def view_route(inputs: ViewInputs, pools: frozenset[str]) -> Resource:
     """The RouteConfiguration of the view of `pools`: routed as a trimtab with only them."""
     sub_config = view_config(inputs.config, pools)
     return make_resource(type_urls.ROUTE, build_route_config(sub_config, inputs.canary_percent,
-                                                             retry_after=inputs.retry_after,
-                                                             tenants=inputs.tenants))
+                                                             admission=inputs.admission))
 
 
 def _only(items: Mapping[str, Resource], names: set[str]) -> Mapping[str, Resource]:
