@@ -37,6 +37,9 @@ SCENARIOS: dict[str, tuple[str, str, float | None]] = {
                       "examples/workload-mixed.yaml", 4.9),
     "fleet-b": ("examples/fleet-hetero-b.yaml", "examples/workload-long10.yaml", None),
     "fleet-c": ("examples/fleet-hetero-c.yaml", "examples/workload-mixed.yaml", 22.0),
+    # ~2.4x the fleet's capacity (issue 23): a collapse test, read on output tokens/s
+    "prefill-overload": ("examples/fleet-hetero-prefill-heavy.yaml",
+                         "examples/workload-mixed.yaml", 17.0),
 }
 BASELINES = ("least_request", "reference")
 

@@ -91,6 +91,15 @@ service at the next tick the split includes it; never more than ``max_standby_sh
 of a pool is on standby, the smallest shares first. With capacity tiers a tier is on standby
 whole (:mod:`weight_calculator.localities`). ``standby: false`` keeps weight 1 instead.
 
+**Sustained overload** (:mod:`weight_calculator.overload`): when the pool's backlog grows
+past what it serves with every endpoint outside the slowest tier full, an endpoint sent
+more than its rate admits the excess into its batch and finishes almost nothing, so the
+split above (which runs every endpoint past its rate in proportion) is replaced: each tier
+but the slowest gets its service rate in requests, the slowest tier the rest; no endpoint
+is DEGRADED for a full KV cache or put on standby (the pool needs all of them). The
+breakdown then carries ``pool_excess_share``, the share of arrivals the pool did not serve,
+and the next tick stays in this mode while the backlog keeps growing.
+
 Smoothing is relative to the weight: a target within ``deadband`` (a fraction, 0.1 = 10 %)
 of the previous weight keeps it, so noise does not rebuild Envoy's balancer; a larger drop
 applies at once (an overloaded endpoint loses its traffic within one tick); a rise moves
@@ -121,6 +130,7 @@ from weight_calculator.inputs import (
     Staleness,
 )
 from weight_calculator.localities import OVERPROVISIONING, plan_localities
+from weight_calculator.overload import overload_split, pool_excess, slowest_tier
 from weight_calculator.service_rate import Rates, Reading, rates
 from weight_calculator.splits import SPLITS, equal_spare_split, square_root_split
 from weight_calculator.types import EndpointWeight, PoolWeights
@@ -429,6 +439,22 @@ def _degraded(estimates: Sequence[_Estimate], policy: QueueingPolicy) -> set[str
     return set() if len(full) == len(estimates) else full
 
 
+def _was_overloaded(previous: PoolWeights | None) -> bool:
+    return previous is not None and any("pool_excess_share" in ew.breakdown
+                                        for ew in previous.endpoints.values())
+
+
+def _saturated_throughout(estimates: Sequence[_Estimate], span: float,
+                          policy: QueueingPolicy) -> bool:
+    """Reads over a whole window (one tick's slack), and every endpoint of ``estimates``
+    (the pool's but the slowest tier's, which the split may have starved) full (requests
+    waiting, or its KV cache) through all of it but one tick: the pool saturated, not
+    filling from idle nor one endpoint's queue."""
+    slack = policy.horizon_seconds
+    return (span >= policy.window_seconds - slack
+            and all(e.rates.saturated_seconds >= span - slack for e in estimates))
+
+
 def compute_queueing_weights(
     inputs: Mapping[str, EndpointInput],
     readings: Mapping[str, Sequence[Reading]],
@@ -468,13 +494,25 @@ def compute_queueing_weights(
     shares, backlogs = _shares(estimates, mu, split, rated, policy)
     left_out = {a for a, r in split.items() if r <= 0} if split_applied else set()
     degraded = _degraded(estimates, policy)
+    excess = pool_excess(readings, mu.keys(), now, policy.window_seconds) if rated else None
+    groups = tiers or capacity_tiers({e.address: e.capacity for e in estimates})
+    overloaded = excess is not None and excess.overloaded and (
+        _was_overloaded(previous) or _saturated_throughout(
+            [e for e in estimates if e.address not in slowest_tier(mu, groups)],
+            excess.span, policy))
+    if overloaded:  # every endpoint at its rate, the excess on the slowest tier (overload.py)
+        assert excess is not None
+        shares = overload_split(
+            mu, groups, {e.address: e.rates.done for e in estimates},
+            {e.address: e.rates.work for e in estimates}, excess.arrival_rate)
+        left_out, degraded = set(), set()  # the pool needs every endpoint: none idled
     share_units = _units(shares, policy)
     per_request = _work_per_request(estimates)
     if tiers:
         plan = plan_localities(tiers, shares, left_out, degraded,
                                max_weight=policy.max_weight,
                                equal_hosts=policy.active_request_bias > 0 or policy.equal_hosts,
-                               standby=policy.standby,
+                               standby=policy.standby and not overloaded,
                                max_standby_share=policy.max_standby_share,
                                previous=previous.localities if previous is not None else {},
                                smooth=lambda t, p: smooth(t, p, policy))
@@ -488,13 +526,18 @@ def compute_queueing_weights(
                   * (1.0 + _in_flight_at_share(e, shares[e.address], rated)) ** bias
                   for e in estimates}
         units = _units(scaled, policy)
-        idle = _standby(units, left_out, policy)
+        idle = set() if overloaded else _standby(units, left_out, policy)
     endpoints = {e.address: _endpoint(e, mu[e.address], shares[e.address],
                                       units.get(e.address, MIN_WEIGHT),
                                       backlogs[e.address], held.get(e.address), policy,
                                       e.address in idle, e.address in degraded,
                                       share_units[e.address], rated, per_request)
                  for e in estimates}
+    if overloaded:
+        assert excess is not None
+        endpoints = {a: replace(ew, breakdown={**ew.breakdown,
+                                                "pool_excess_share": excess.share})
+                     for a, ew in endpoints.items()}
     weights = complete_pool(pool, endpoints, shared)
     return _with_localities(weights, tiers, plan.weights) if tiers else weights
 
