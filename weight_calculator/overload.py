@@ -16,18 +16,14 @@ The queueing policy (:mod:`weight_calculator.queueing`) treats the pool as overl
 that holds and either the previous tick was, or the reads cover a whole window and every
 endpoint outside the slowest tier was full (requests waiting, or its KV cache) through all
 of it: a pool filling from idle, whose count grows for want of completions yet, and one
-endpoint's queue are not overload (measured in the lab, the count-based test alone fired in
-the first 20 s of every run and at 70-80 % load on long generations). The slowest tier is
-left out of that test because the split itself may have starved it.
+endpoint's queue are not overload (the count-based test alone also fires on those). The
+slowest tier is left out of that test because the split itself may have starved it.
 
 **Where it goes** (:func:`overload_split`). An engine sent more than its service rate does
 not only queue the excess: it admits it into its batch while its KV cache has room, and with
 chunked prefill every step then carries a full prefill budget, so each running request
 advances one token per slow step and the engine finishes almost nothing until its KV cache is
-full. Measured in the policy lab on the prefill-heavy fleet at 2.4x its capacity
-(docs/results/overload-regression.md), the H100s, given their rate's share of an overloaded
-pool (2.4x their rate), held ~330 requests each and finished 1 in 90 s; fed at about their
-rate they finished hundreds. Some arrivals cannot be served in time whatever the split, so
+full (the evidence: docs/results/overload-regression.md). Some arrivals cannot be served in time whatever the split, so
 the split chooses which endpoints run past their rate: every endpoint gets its service rate's
 share of what the pool completes, ``(1 - f) mu_i / M``, and the whole excess ``f`` goes to
 the capacity tier with the smallest service rate per endpoint, whose capacity is the least
