@@ -15,6 +15,7 @@ import xds_server.app  # noqa: F401  (registers trimtab serve's metrics)
 import xds_server.classify  # noqa: F401  (registers trimtab classify's metrics)
 from xds_server.admin.metrics import FleetCollector
 from xds_server.config.schema import Config
+from xds_server.xds.lrs import EnvoyLoad, LoadCollector
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
@@ -23,8 +24,10 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 def registered_metrics() -> set[str]:
     """The exposed names of trimtab's metrics (a counter family ``x`` is served as ``x_total``):
-    the global registry's and the fleet series rendered at scrape time."""
-    families = [*REGISTRY.collect(), *FleetCollector(dict).collect()]
+    the global registry's, and the fleet's and Envoy load reports' series rendered at scrape
+    time."""
+    families = [*REGISTRY.collect(), *FleetCollector(dict).collect(),
+                *LoadCollector(EnvoyLoad(), lambda: 1.0).collect()]
     return {f.name + ("_total" if f.type == "counter" else "")
             for f in families if f.name.startswith("trimtab_")}
 

@@ -136,7 +136,8 @@ def render_bootstrap(
     node_id: str = "envoy-local",
     node_cluster: str = "trimtab-local",
 ) -> dict[str, Any]:
-    """An Envoy bootstrap that takes CDS and LDS over ADS from ``xds_host:xds_port``."""
+    """An Envoy bootstrap that takes CDS and LDS over ADS from ``xds_host:xds_port`` and
+    sends its load reports (LRS) there."""
     if api not in ("sotw", "delta"):
         raise ValueError(f"api must be 'sotw' or 'delta', not {api!r}")
     return {
@@ -152,6 +153,7 @@ def render_bootstrap(
             "lds_config": {"ads": {}, "resource_api_version": "V3"},
         },
         "layered_runtime": {"layers": [ADMISSION_LAYER]},
+        "cluster_manager": {"load_stats_config": LOAD_STATS_CONFIG},
         "static_resources": {"clusters": [_xds_cluster(xds_host, xds_port)]},
         "admin": {
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin_port}}
@@ -167,6 +169,15 @@ ADMISSION_LAYER: dict[str, Any] = {
     "rtds_layer": {"name": "trimtab-admission",
                    "rtds_config": {"ads": {}, "resource_api_version": "V3",
                                    "initial_fetch_timeout": "5s"}},
+}
+
+
+# What each Envoy admitted and refused per cluster reaches trimtab as load reports (LRS) on
+# the same port (xds_server/xds/lrs.py), at the interval trimtab answers with.
+LOAD_STATS_CONFIG: dict[str, Any] = {
+    "api_type": "GRPC",
+    "transport_api_version": "V3",
+    "grpc_services": [{"envoy_grpc": {"cluster_name": "xds_cluster"}}],
 }
 
 

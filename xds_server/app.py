@@ -1,4 +1,5 @@
-"""Wires the parts together: cache, xDS gRPC server, controller loop and admin API."""
+"""Wires the parts together: cache, xDS gRPC server (ADS and Envoy's load reports), controller
+loop and admin API."""
 
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ from xds_server.security.tls import server_credentials
 from xds_server.xds import type_urls
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.health import XDS_SERVICE_NAMES, add_health_and_reflection, set_serving
+from xds_server.xds.lrs import SERVICE as LRS_SERVICE
+from xds_server.xds.lrs import EnvoyLoad, LoadReportServicer
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.protocol import StreamLimits
 from xds_server.xds.server import XdsServicer, start_xds_server
@@ -114,6 +117,11 @@ class Trimtab:
         self.servicer = XdsServicer(self.cache, observers=[self.nacks], guard=self.guard,
                                     limits=StreamLimits(limits.max_resource_names,
                                                         limits.max_response_bytes))
+        # Envoy's load reports (LRS), every tick: what each Envoy admitted and refused
+        self.load = EnvoyLoad()
+        self.load_reports = LoadReportServicer(
+            self.cache, self.load, lambda: self.controller.config.telemetry.interval_seconds,
+            guard=self.guard)
         # every Envoy receiving the admission layer holds an even part of each budget
         self.controller.envoys = lambda pool: self.servicer.subscribers(type_urls.RUNTIME)
         self._grpc: grpc.aio.Server | None = None
@@ -128,8 +136,11 @@ class Trimtab:
         return self.controller.stats.ticks > 0 and self.cache.snapshot is not None
 
     async def start(self) -> None:
+        services = [*XDS_SERVICE_NAMES, LRS_SERVICE]
+
         def extras(server: grpc.aio.Server) -> None:
-            self._health = add_health_and_reflection(server, list(XDS_SERVICE_NAMES))
+            server.add_generic_rpc_handlers(tuple(self.load_reports.handlers()))
+            self._health = add_health_and_reflection(server, services)
 
         await self.classifier.start(self.config)  # before Envoy can learn its cluster
         xds = self.config.xds
@@ -145,7 +156,7 @@ class Trimtab:
             self.servicer, xds.address, configure=extras, credentials=credentials,
             options=options, maximum_concurrent_rpcs=xds.limits.max_streams))
         assert self._health is not None
-        await set_serving(self._health, list(XDS_SERVICE_NAMES), False)
+        await set_serving(self._health, services, False)
         if self.config.keda.address is not None:
             scaler = ExternalScalerServicer(self.controller.autoscaler.source)
             keda = self.config.keda.address
@@ -155,7 +166,7 @@ class Trimtab:
         auth = self.config.admin.auth
         api = AdminApi(self.controller, self.ready, self.servicer, self.nacks, self.history,
                        token=load_token(auth.token_file, auth.token_env),
-                       protect_reads=auth.protect_reads)
+                       protect_reads=auth.protect_reads, load=self.load)
         self._admin = await listening(self.config.admin.address,
                                       lambda: start_admin(api, admin.host, admin.port))
         self.discovery.start(self.config)
@@ -177,7 +188,7 @@ class Trimtab:
         while not self.ready() and not stop.is_set():
             await asyncio.sleep(0.05)
         if self._health is not None and not stop.is_set():
-            await set_serving(self._health, list(XDS_SERVICE_NAMES), True)
+            await set_serving(self._health, [*XDS_SERVICE_NAMES, LRS_SERVICE], True)
 
     async def reload(self) -> bool:
         """Re-read the config file and apply every key, or refuse the whole reload (logged
@@ -239,6 +250,7 @@ class Trimtab:
             await self._scaler.stop(SHUTDOWN_GRACE_S)
             self._scaler = None
         self.servicer.close_streams()
+        self.load_reports.close_streams()
         if self._grpc is not None:
             await self._grpc.stop(SHUTDOWN_GRACE_S)
             self._grpc = None

@@ -1,7 +1,8 @@
 """Admin HTTP API (aiohttp): health, readiness, metrics and the weights trimtab holds.
 
 Loopback by default. Errors are JSON with a proper status code. The documents that grow with
-the fleet (`/v1/weights`, `/v1/snapshot`, `/v1/nacks`, `/v1/config`, `/v1/history`) are built
+the fleet (`/v1/weights`, `/v1/snapshot`, `/v1/nacks`, `/v1/config`, `/v1/history`,
+`/v1/admission`) are built
 and encoded on the admin thread (`admin/builds.py`), once per version of their inputs, and
 are bounded in bytes (:class:`~xds_server.admin.encoding.DocumentLimits`); connections are
 bounded by `admin/serving.py`.
@@ -21,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from xds_server.admin import metrics
 from xds_server.admin.builds import AdminWorker, BuildCache
 from xds_server.admin.documents import (
+    encode_admission,
     encode_config,
     encode_nacks,
     encode_snapshot,
@@ -37,6 +39,7 @@ from xds_server.control.rollouts.runner import RolloutPersistError
 from xds_server.control.rollouts.state import StateStoreError
 from xds_server.security.admin_auth import bearer_middleware
 from xds_server.security.admin_origin import same_origin_middleware
+from xds_server.xds.lrs import STALE_INTERVALS, EnvoyLoad, LoadCollector
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.server import XdsServicer
 
@@ -81,9 +84,12 @@ class AdminApi:
     def __init__(self, controller: Controller, is_ready: Callable[[], bool],
                  servicer: XdsServicer | None = None, nacks: NackLog | None = None,
                  history: WeightHistory | None = None, token: str | None = None,
-                 protect_reads: bool = False, limits: DocumentLimits | None = None) -> None:
+                 protect_reads: bool = False, limits: DocumentLimits | None = None,
+                 load: EnvoyLoad | None = None) -> None:
         self.controller = controller
         self._fleet = metrics.FleetCollector(lambda: self.controller.weights)
+        self.load = load if load is not None else EnvoyLoad()  # Envoy's load reports (LRS)
+        self._load_metrics = LoadCollector(self.load, self._stale_after_s)
         self.token = token
         self.protect_reads = protect_reads
         self.is_ready = is_ready
@@ -105,6 +111,7 @@ class AdminApi:
         app.router.add_get("/v1/nacks", self.nack_list)
         app.router.add_get("/v1/config", self.effective_config)
         app.router.add_get("/v1/rollouts", self.rollout_list)
+        app.router.add_get("/v1/admission", self.admission)
         app.router.add_post("/v1/rollouts/{pool}/{action}", self.rollout_command)
         add_status_routes(app, self.history, self.worker, self.limits.history_bytes)
         app.on_cleanup.append(self._close)
@@ -124,7 +131,7 @@ class AdminApi:
                      200 if ready else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=metrics.exposition(self._fleet),
+        return web.Response(body=metrics.exposition(self._fleet, self._load_metrics),
                             headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def weights(self, request: web.Request) -> web.Response:
@@ -168,6 +175,20 @@ class AdminApi:
         async def job() -> Callable[[], Encoded]:
             return lambda: encode_config(config, limit)
         return _encoded(await self._builds.get(("config", None), (config,), job))
+
+    def _stale_after_s(self) -> float:
+        """An Envoy's latest load report counts in levels and rates for this long."""
+        return STALE_INTERVALS * self.controller.config.telemetry.interval_seconds
+
+    async def admission(self, request: web.Request) -> web.Response:
+        """Every pool's budget in force and what the Envoys' load reports count."""
+        config, state, limit = (self.controller.config, self.controller.admission,
+                                self.limits.admission_bytes)
+
+        async def job() -> Callable[[], Encoded]:
+            load = self.load.view(self._stale_after_s())  # on the loop: the streams change
+            return lambda: encode_admission(config, state, load, limit)
+        return _encoded(await self._builds.get(("admission", None), None, job))
 
     async def rollout_list(self, request: web.Request) -> web.Response:
         """Small (a few lines per pool with versions): built on the loop, bounded all the same."""

@@ -1,7 +1,8 @@
 """The admin API's JSON documents, built from what the controller and the xDS servicer hold:
 ``/v1/weights`` (the weights, their inputs and the breakdown `trimtab weights` shows),
 ``/v1/snapshot`` (what each connected stream was sent and ACKed), ``/v1/nacks`` and
-``/v1/config``. Pure: no HTTP and no threads here.
+``/v1/config``, ``/v1/admission`` (each pool's budget in force and what the Envoys' load
+reports say they admitted and refused). Pure: no HTTP and no threads here.
 
 The ``encode_*`` functions return the document's bytes, or :class:`~.encoding.TooLarge` when
 it is over its limit; they read only what they are handed (immutable inputs, or copies taken
@@ -29,9 +30,11 @@ from xds_server.admin.encoding import (
 )
 from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
+from xds_server.control.admission import AdmissionState
 from xds_server.control.controller import Controller
 from xds_server.control.explain import breakdown_document
 from xds_server.xds import type_urls
+from xds_server.xds.lrs import ClusterView
 from xds_server.xds.server import XdsServicer
 from xds_server.xds.snapshot import Snapshot
 
@@ -241,3 +244,52 @@ def encode_config(config: Config, limit: int) -> Encoded:
     body = join_object(sorted([*((key, dumps(value)) for key, value in top.items()),
                                ("pools", pools)]))
     return bounded("/v1/config", body, limit, "the config file and the discovery log have it")
+
+
+# -- /v1/admission -------------------------------------------------------------------------
+
+
+def _envoy_load(view: ClusterView | None) -> dict[str, Any] | None:
+    if view is None:
+        return None
+    return {"issued": view.issued, "dropped": view.dropped, "in_progress": view.in_progress,
+            "issued_per_s": round(view.issued_per_s, 3),
+            "dropped_per_s": round(view.dropped_per_s, 3), "reporting": view.envoys}
+
+
+def admission_document(config: Config, state: AdmissionState,
+                       load: Mapping[str, ClusterView]) -> dict[str, Any]:
+    """Per pool and cluster: the budget in force (the ``trimtab_admission_*`` gauges'
+    values; ``budget`` null: nothing measured, everything admitted) and ``envoy``, what the
+    Envoys' load reports (LRS) count: ``issued`` (admitted) and ``dropped`` (refused) since
+    trimtab started, their rates over the latest reports, and what is in flight (null: no
+    Envoy has reported on the cluster)."""
+    limits = state.limits(config)
+    pools: dict[str, Any] = {}
+    for pool in config.pools:
+        clusters: dict[str, Any] = {}
+        for cluster, version, _ in pool.clusters():
+            budget, limit, cap = (state.budgets.get(cluster), limits.get(cluster),
+                                  state.tenants.get(cluster))
+            clusters[cluster] = {
+                "version": version,
+                "budget": budget.in_flight if budget is not None else None,
+                "limit": ({"interactive": limit.interactive, "batch": limit.batch}
+                          if limit is not None else None),
+                "envoys": state.envoys.get(cluster, 1) if limit is not None else None,
+                "tenant_rate": cap.rate if cap is not None else None,
+                "tenant_enforced": cap.enforced if cap is not None else None,
+                "envoy": _envoy_load(load.get(cluster)),
+            }
+        pools[pool.name] = {"slo_ttft_seconds": pool.slo.ttft_seconds,
+                            "spill": state.spill.get(pool.name, 0) / 1000,
+                            "clusters": clusters}
+    return {"pools": pools}
+
+
+def encode_admission(config: Config, state: AdmissionState, load: Mapping[str, ClusterView],
+                     limit: int) -> Encoded:
+    """The `/v1/admission` bytes (every pool's), or TooLarge."""
+    body = dumps(admission_document(config, state, load))
+    return bounded("/v1/admission", body, limit,
+                   "the trimtab_admission_* and trimtab_envoy_* metrics have the same values")

@@ -80,6 +80,7 @@ class DocumentLimits:
     nacks_bytes: int = 8 * MIB
     rollouts_bytes: int = 1 * MIB
     history_bytes: int = 8 * MIB
+    admission_bytes: int = 8 * MIB
 
 
 def bounded(document: str, body: bytes, limit: int, hint: str) -> Encoded:

@@ -10,6 +10,7 @@ endpoint or pool that is gone has no series and no code has to remove any.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Protocol
 
 from prometheus_client import (
     REGISTRY,
@@ -138,9 +139,16 @@ class _Global:
         yield from REGISTRY.collect()
 
 
-def exposition(fleet: FleetCollector) -> bytes:
-    """The /metrics page: every metric of the global registry, then the fleet's series."""
+class Collector(Protocol):
+    def collect(self) -> Iterator[Metric]: ...
+
+
+def exposition(fleet: FleetCollector, *others: Collector) -> bytes:
+    """The /metrics page: every metric of the global registry, then the fleet's series, then
+    those of ``others`` (e.g. Envoy's load reports: `xds/lrs.py`)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_Global())
     registry.register(fleet)
+    for other in others:
+        registry.register(other)  # type: ignore[arg-type]
     return generate_latest(registry)
