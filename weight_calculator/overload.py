@@ -23,9 +23,9 @@ slowest tier is left out of that test because the split itself may have starved 
 not only queue the excess: it admits it into its batch while its KV cache has room, and with
 chunked prefill every step then carries a full prefill budget, so each running request
 advances one token per slow step and the engine finishes almost nothing until its KV cache is
-full (the evidence: docs/results/overload-regression.md). Some arrivals cannot be served in time whatever the split, so
-the split chooses which endpoints run past their rate: every endpoint gets its service rate's
-share of what the pool completes, ``(1 - f) mu_i / M``, and the whole excess ``f`` goes to
+full (the evidence: docs/results/overload-regression.md). Some arrivals cannot be served in
+time whatever the split, so the split chooses which endpoints run past their rate: every
+endpoint gets its service rate's share of what the pool completes, ``(1 - f) mu_i / M``, and the whole excess ``f`` goes to
 the capacity tier with the smallest service rate per endpoint, whose capacity is the least
 to lose. With one tier (identical servers) that is the split in proportion to the rates.
 """
