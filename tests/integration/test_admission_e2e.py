@@ -7,7 +7,8 @@ weight_calculator/admission.py's formula (docs/configuration.md, "Admission"):
 8 running + floor(0.75 x 2 s x 2/s) = 3 queued, per server: 22 for the pool, batch half of
 it. The servers hold every request for seconds, so a burst over the budget is refused at
 once with an OpenAI-shaped 429 and ``Retry-After``, and a budget change reaches Envoy as a
-runtime update, never as a cluster update.
+runtime update, never as a cluster update. Envoy's load reports (LRS) tell trimtab what it
+admitted (issued) and refused (dropped), and those counts match Envoy's own stats.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,6 +132,76 @@ def test_a_burst_over_the_budget_is_refused_at_once_with_an_openai_429(stack) ->
     after = _stats(envoy)
     assert after["cluster.adm.upstream_rq_active_overflow"] - before.get(
         "cluster.adm.upstream_rq_active_overflow", 0) == len(refused)
+
+
+def _lrs_counts(trimtab: TrimtabProcess) -> tuple[int, int]:
+    """trimtab's (issued, dropped) for the pool, from Envoy's load reports."""
+    return tuple(int(trimtab.metric("trimtab_envoy_requests_total", cluster="adm",
+                                    outcome=outcome) or 0)
+                 for outcome in ("issued", "dropped"))  # type: ignore[return-value]
+
+
+def _envoy_counts(envoy: EnvoyProcess) -> tuple[int, int]:
+    """Envoy's own (admitted, refused by the circuit breaker) for the pool."""
+    stats = _stats(envoy)
+    return (stats.get("cluster.adm.upstream_rq_total", 0),
+            stats.get("cluster.adm.upstream_rq_active_overflow", 0))
+
+
+def _settled(trimtab: TrimtabProcess):
+    """A check: trimtab's LRS sums did not move over three report intervals."""
+    def check(counts: tuple[tuple[int, int], tuple[int, int]]) -> bool:
+        time.sleep(INTERVAL_S * 3)
+        return _lrs_counts(trimtab) == counts[0]
+    return check
+
+
+def _admission(trimtab: TrimtabProcess) -> dict:
+    with urllib.request.urlopen(trimtab.url("/v1/admission"), timeout=5) as resp:
+        return json.loads(resp.read())["pools"]["adm"]["clusters"]["adm"]
+
+
+def test_trimtab_counts_what_envoy_admitted_and_refused_from_its_load_reports(stack) -> None:
+    fleet, trimtab, envoy, port = stack
+    wait_until(lambda: _runtime(envoy), SETTLE_S, "the budget in force",
+               check=lambda rt: rt.get("circuit_breakers.adm.high.max_requests") == str(BUDGET))
+    wait_until(lambda: _stats(envoy).get("cluster.adm.upstream_rq_active", 0), HOLD_S * 3,
+               "earlier requests finished", check=lambda active: active == 0)
+    # Envoy reports a cluster's counts from when the cluster enters its report (requests
+    # before that are never reported): compare what this burst adds, once the sums are still
+    before = wait_until(lambda: (_lrs_counts(trimtab), _envoy_counts(envoy)), SETTLE_S,
+                        "no report still to come", check=_settled(trimtab))
+    lrs_before, before = before
+    in_flight: list[int] = []
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            in_flight.append(int(trimtab.metric("trimtab_envoy_requests_in_progress",
+                                                cluster="adm") or 0))
+            time.sleep(0.1)
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        results = _burst(port, 30, None)
+    finally:
+        done.set()
+        watcher.join()
+    served = sum(r[0] == 200 for r in results)
+    refused = sum(r[0] == 429 for r in results)
+    assert served == BUDGET and refused == 30 - BUDGET, [r[0] for r in results]
+    after = _envoy_counts(envoy)
+    assert (after[0] - before[0], after[1] - before[1]) == (served, refused)  # Envoy's view
+    counted = wait_until(lambda: _lrs_counts(trimtab), SETTLE_S, "the burst in LRS",
+                         check=lambda c: (c[0] - lrs_before[0], c[1] - lrs_before[1])
+                         == (served, refused))
+    time.sleep(INTERVAL_S * 3)  # and nothing more comes: exactly the burst, no double count
+    assert _lrs_counts(trimtab) == counted
+    assert max(in_flight) == served, in_flight  # the level, while the servers held them
+    document = _admission(trimtab)
+    assert document["budget"] == BUDGET and document["limit"] == {"interactive": BUDGET,
+                                                                  "batch": BATCH}
+    assert (document["envoy"]["issued"], document["envoy"]["dropped"]) == counted
 
 
 def test_batch_is_refused_first(stack) -> None:

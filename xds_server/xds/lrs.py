@@ -391,6 +391,7 @@ async def _until(requests: AsyncIterator[lrs_pb2.LoadStatsRequest], stop: asynci
             following = asyncio.ensure_future(anext(iterator))
             await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
             if not following.done():
+                following.add_done_callback(_retrieve)  # it may end before it is cancelled
                 following.cancel()
                 return
             try:
@@ -403,3 +404,8 @@ async def _until(requests: AsyncIterator[lrs_pb2.LoadStatsRequest], stop: asynci
             yield request
     finally:
         stopping.cancel()
+
+
+def _retrieve(task: asyncio.Future) -> None:
+    if not task.cancelled():
+        task.exception()
