@@ -34,7 +34,10 @@ from xds_server.admin.status_page import add_status_routes, read_asset
 from xds_server.config.load import parse_config
 from xds_server.control.controller import Controller
 from xds_server.xds import type_urls as T
+from weight_calculator.admission import PoolBudget
+from xds_server.control.admission import AdmissionState
 from xds_server.xds.cache import SnapshotCache
+from xds_server.xds.lrs import ClusterLoad, EnvoyLoad, Report
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.protocol import Nack, SotwStream
 from xds_server.xds.server import XdsServicer
@@ -67,6 +70,7 @@ class Plane:
     history: WeightHistory
     nacks: NackLog
     clock: list[float] = field(default_factory=lambda: [1000.0])
+    load: EnvoyLoad = field(default_factory=EnvoyLoad)  # Envoy's load reports (LRS)
 
     async def tick(self, pct: dict[str, float | None] | None = None) -> None:
         """One tick, 2 s after the last, with these GPU memory percentages (None: the scrape
@@ -77,7 +81,8 @@ class Plane:
         self.history.record(self.controller.clock(), weights_document(self.controller))
 
     def app(self) -> web.Application:
-        api = AdminApi(self.controller, lambda: True, XdsServicer(self.controller.cache), self.nacks)
+        api = AdminApi(self.controller, lambda: True, XdsServicer(self.controller.cache), self.nacks,
+                       load=self.load)
         app = api.app()
         add_status_routes(app, self.history)
         return app
@@ -92,6 +97,16 @@ def make_plane() -> Plane:
     plane = Plane(controller, scraper, WeightHistory(max_points=50), NackLog(clock=lambda: clock[0]),
                   clock)
     return plane
+
+
+def add_admission(plane: Plane) -> None:
+    """A budget in force for llama (22 in flight over 2 Envoys) and one Envoy's load report
+    on it: 11 admitted and 4 refused in the last second, 11 in flight."""
+    plane.controller.admission = AdmissionState(
+        budgets={"llama": PoolBudget(in_flight=22, serving=16, retry_after_s=1.0)},
+        envoys={"llama": 2})
+    key = plane.load.open()
+    plane.load.add(key, Report({"llama": ClusterLoad(11, 4, 11, 1.0)}), {"llama"})
 
 
 def add_nack(plane: Plane, detail: str) -> None:
@@ -219,6 +234,25 @@ def test_history_endpoint_shape_and_since():
     asyncio.run(_with_client(body))
 
 
+def test_admission_document_has_the_budget_in_force_and_envoys_load_reports():
+    async def body(client: TestClient, plane: Plane) -> None:
+        await plane.tick()
+        add_admission(plane)
+        doc = (await (await client.get("/v1/admission")).json())["pools"]
+        llama = doc["llama"]["clusters"]["llama"]
+        assert llama["budget"] == 22 and llama["envoys"] == 2
+        assert llama["limit"] == {"interactive": 11, "batch": 6}  # ceil(22 / 2), half for batch
+        assert llama["envoy"] == {"issued": 11, "dropped": 4, "in_progress": 11,
+                                  "issued_per_s": 11.0, "dropped_per_s": 4.0, "reporting": 1}
+        qwen = doc["qwen"]["clusters"]
+        assert set(qwen) == {"qwen", "qwen-canary"}
+        assert qwen["qwen"]["budget"] is None and qwen["qwen"]["envoy"] is None
+        metrics = await (await client.get("/metrics")).text()
+        assert 'trimtab_envoy_requests_total{cluster="llama",outcome="dropped"} 4.0' in metrics
+        assert 'trimtab_envoy_requests_in_progress{cluster="llama"} 11.0' in metrics
+    asyncio.run(_with_client(body))
+
+
 # ---- the live page in headless Chromium ---------------------------------------------------------
 
 @contextmanager
@@ -335,6 +369,14 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
             rollouts = get_json(f"{base}/v1/rollouts")["rollouts"]
             assert page["rollouts"] == {"qwen": rollouts["qwen"]["percent"]} != {}
             assert len(page["nacks"]) == 1 and "load_balancing_weight" in page["nacks"][0]
+            add_admission(plane)
+            lines = wait_until(lambda: driver.execute_script(
+                "return [...document.querySelectorAll('section.pool .pool-admission .admission')]"
+                ".map(e => e.textContent);"), 8.0, "the admission lines",
+                check=lambda t: any("budget 22" in line for line in t), every=0.1)
+            assert ("llama: budget 22 in flight · 11 per Envoy (batch 6) × 2 Envoys · Envoy: "
+                    "11/s admitted, 4/s refused, 11 in flight (11 / 4 in all)") in lines, lines
+            assert any(line.startswith("qwen-canary: no budget") for line in lines), lines
 
             driver.execute_script("window.__sameDocument = true;")
             run_on(loop, plane.tick({"10.0.0.2:80": 96.0}))

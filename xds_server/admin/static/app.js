@@ -29,7 +29,7 @@
 
   const state = {
     points: [], latestAt: null, latestSeenMs: Date.now(), weights: null, config: null,
-    nacks: null, rollouts: null, polls: 0, hover: new Map(), errors: [], pendingPool: null,
+    nacks: null, rollouts: null, admission: null, polls: 0, hover: new Map(), errors: [], pendingPool: null,
   };
 
   // ---- small DOM helpers -------------------------------------------------------------------
@@ -108,14 +108,16 @@
     const results = await Promise.allSettled([
       getJson("/v1/weights"), getJson(`/v1/history${since}`), getJson("/v1/nacks"),
       getJson("/v1/rollouts"), wantConfig ? getJson("/v1/config") : Promise.resolve(state.config),
+      getJson("/v1/admission"),
     ]);
-    const [weights, history, nacks, rollouts, config] = results;
+    const [weights, history, nacks, rollouts, config, admission] = results;
     state.errors = results.filter((r) => r.status === "rejected").map((r) => String(r.reason.message || r.reason));
     if (weights.status === "fulfilled") state.weights = weights.value;
     if (history.status === "fulfilled") mergeHistory(history.value);
     if (nacks.status === "fulfilled") state.nacks = nacks.value;
     if (rollouts.status === "fulfilled") state.rollouts = rollouts.value.rollouts || {};
     if (config.status === "fulfilled") state.config = config.value;
+    if (admission.status === "fulfilled") state.admission = admission.value.pools || {};
     state.polls += 1;
     render();
   }
@@ -204,6 +206,7 @@
     const section = el("section", { class: "panel pool", "data-pool": name },
       el("div", { class: "pool-head" }, el("h2", {}, name), el("span", { class: "pool-meta muted" }),
         el("span", { class: "pool-flags" })),
+      el("div", { class: "pool-admission muted" }),
       el("div", { class: "chart-box" }),
       el("table", { class: "grid legend" },
         el("thead", {}, el("tr", {}, ...["", "endpoint", "weight", "share", "signals", "flags", "age", "reason"]
@@ -226,8 +229,39 @@
     if ([...clusters].some((c) => failStatic.has(c))) flags.push(el("span", { class: "flag bad" }, "FAIL-STATIC"));
     if (stale) flags.push(el("span", { class: "flag bad" }, `${stale} stale`));
     section.querySelector(".pool-flags").replaceChildren(...flags);
+    renderAdmission(section.querySelector(".pool-admission"), name);
     renderChart(section.querySelector(".chart-box"), name, addresses, endpoints);
     renderLegend(section.querySelector("tbody"), name, addresses, endpoints);
+  }
+
+  // Per cluster: the admission budget in force (/v1/admission: the trimtab_admission_* gauges)
+  // and what the Envoys' load reports (LRS) say they admitted and refused, per second.
+  function admissionText(cluster, c) {
+    const parts = [];
+    if (c.budget === null) parts.push("no budget: everything admitted");
+    else {
+      parts.push(`budget ${c.budget} in flight`);
+      if (c.limit) parts.push(`${c.limit.interactive} per Envoy (batch ${c.limit.batch}) × ${c.envoys} Envoy${c.envoys === 1 ? "" : "s"}`);
+    }
+    if (c.tenant_rate !== null) parts.push(`tenant cap ${fmtNumber(c.tenant_rate)}/s${c.tenant_enforced ? " enforced" : ""}`);
+    const e = c.envoy;
+    if (e) {
+      parts.push(`Envoy: ${fmtNumber(e.issued_per_s)}/s admitted, ${fmtNumber(e.dropped_per_s)}/s refused, ${e.in_progress} in flight (${e.issued} / ${e.dropped} in all)`);
+    } else parts.push("no load reports from Envoy");
+    return `${cluster}: ${parts.join(" · ")}`;
+  }
+
+  function renderAdmission(box, name) {
+    const pool = state.admission ? state.admission[name] : null;
+    if (!pool) { box.replaceChildren(); return; }
+    const lines = Object.entries(pool.clusters).map(([cluster, c]) => {
+      const refusing = c.envoy && c.envoy.dropped_per_s > 0;
+      return el("div", { class: refusing ? "admission refusing" : "admission", "data-cluster": cluster },
+        admissionText(cluster, c));
+    });
+    if (pool.spill > 0) lines.push(el("div", { class: "admission" }, `spilling ${fmtNumber(pool.spill * 100)} % to its fallback`));
+    const text = lines.map((l) => l.textContent).join("\n");
+    if (box.dataset.text !== text) { box.dataset.text = text; box.replaceChildren(...lines); }
   }
 
   function colorOf(addresses, address) {
