@@ -27,15 +27,15 @@ from yarl import URL
 
 from tests.control.test_controller import FakeScraper
 from tests.support.wait import wait_until
+from weight_calculator.admission import PoolBudget
 from xds_server.admin.api import AdminApi
 from xds_server.admin.documents import weights_document
 from xds_server.admin.history import WeightHistory
 from xds_server.admin.status_page import add_status_routes, read_asset
 from xds_server.config.load import parse_config
+from xds_server.control.admission import AdmissionState
 from xds_server.control.controller import Controller
 from xds_server.xds import type_urls as T
-from weight_calculator.admission import PoolBudget
-from xds_server.control.admission import AdmissionState
 from xds_server.xds.cache import SnapshotCache
 from xds_server.xds.lrs import ClusterLoad, EnvoyLoad, Report
 from xds_server.xds.nacks import NackLog

@@ -14,11 +14,11 @@ admitted (issued) and refused (dropped), and those counts match Envoy's own stat
 from __future__ import annotations
 
 import json
+import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
