@@ -33,6 +33,7 @@ Per priority and per tenant are not in LRS: Envoy's own stats have them
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -386,13 +387,12 @@ async def _until(requests: AsyncIterator[lrs_pb2.LoadStatsRequest], stop: asynci
     """`requests` until the peer ends them (or breaks the stream) or `stop` is set."""
     iterator = aiter(requests)
     stopping = asyncio.ensure_future(stop.wait())
+    following: asyncio.Future | None = None
     try:
         while not stop.is_set():
             following = asyncio.ensure_future(anext(iterator))
             await asyncio.wait((following, stopping), return_when=asyncio.FIRST_COMPLETED)
             if not following.done():
-                following.add_done_callback(_retrieve)  # it may end before it is cancelled
-                following.cancel()
                 return
             try:
                 request = following.result()
@@ -404,8 +404,8 @@ async def _until(requests: AsyncIterator[lrs_pb2.LoadStatsRequest], stop: asynci
             yield request
     finally:
         stopping.cancel()
+        if following is not None and not following.done():  # stopped, or we were cancelled
+            following.cancel()
+            with contextlib.suppress(BaseException):  # its end, whatever it is, is retrieved
+                await following
 
-
-def _retrieve(task: asyncio.Future) -> None:
-    if not task.cancelled():
-        task.exception()
