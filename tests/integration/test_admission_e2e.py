@@ -19,16 +19,21 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.integration.conftest import TrimtabProcess
-from tests.support import BackendFleet, VllmPage
+from tests.support import VllmPage
+from tests.support.admission import (
+    Reply,
+    Stack,
+    admission_stack,
+    burst,
+    envoy_counters,
+    envoy_runtime,
+)
 from tests.support.wait import wait_until
-from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
+from trimtab_dev.envoy_process import EnvoyProcess
 
 pytestmark = pytest.mark.slow
 
@@ -39,87 +44,27 @@ HOLD_S = 3.0  # how long a server holds each request
 BUDGET, BATCH = 22, 11
 
 
-def _config(path: Path, fleet: BackendFleet, ports: dict[str, int]) -> None:
-    config = {
-        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
-        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
-        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
-        "telemetry": {"interval_seconds": INTERVAL_S, "stale_after_seconds": 3.0},
-        "pools": [{"name": "adm", "model": MODEL, "slo": {"ttft_seconds": 2.0},
-                   "endpoints": [{"address": address} for address in fleet.addresses]}],
-    }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-
-
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[BackendFleet, TrimtabProcess, EnvoyProcess, int]]:
-    workdir = tmp_path_factory.mktemp("admission")
-    ports = {name: free_port() for name in ("xds", "admin", "listener", "envoy_admin")}
-    fleet = BackendFleet(2).start()
-    trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log")
-    envoy = EnvoyProcess(extra_args=["--concurrency", "2"])
-    try:
-        for index in range(2):
-            fleet.set_vllm(index, VllmPage(kv_usage=0.9, waiting=4, running=8,
-                                           tokens_per_s=2000.0, tokens_per_request=1000.0))
-            fleet.backends[index].response_delay_s = HOLD_S
-        _config(workdir / "trimtab.yaml", fleet, ports)
-        trimtab.start()
-        trimtab.wait_ready()
-        envoy.start(render_bootstrap(xds_host="127.0.0.1", xds_port=ports["xds"],
-                                     admin_port=ports["envoy_admin"]), workdir / "envoy.log")
-        envoy.wait_ready(timeout=SETTLE_S)
-        yield fleet, trimtab, envoy, ports["listener"]
-    finally:
-        pids = [p.pid for p in (trimtab.proc, envoy.proc) if p is not None]
-        envoy.stop()
-        trimtab.stop()
-        fleet.stop()
-        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "processes left"
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    page = VllmPage(kv_usage=0.9, waiting=4, running=8, tokens_per_s=2000.0,
+                    tokens_per_request=1000.0)
+    pool = {"name": "adm", "model": MODEL, "slo": {"ttft_seconds": 2.0}}
+    with admission_stack(tmp_path_factory.mktemp("admission"), [page, page], HOLD_S, pool,
+                         INTERVAL_S, SETTLE_S) as stack:
+        yield stack
 
 
-def _runtime(envoy: EnvoyProcess) -> dict[str, str]:
-    entries = json.loads(envoy.admin_get("/runtime"))["entries"]
-    return {k: v.get("final_value", "") for k, v in entries.items()}
-
-
-def _stats(envoy: EnvoyProcess) -> dict[str, int]:
-    out = {}
-    for line in envoy.admin_get("/stats").splitlines():
-        name, _, value = line.partition(": ")
-        if value.strip().isdigit():
-            out[name] = int(value)
-    return out
-
-
-def _post(port: int, priority: str | None) -> tuple[int, float, dict[str, str], bytes]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    headers = {"content-type": "application/json"}
-    if priority is not None:
-        headers["x-priority"] = priority
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                     headers)
-    started = time.perf_counter()
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, time.perf_counter() - started, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, time.perf_counter() - started, dict(exc.headers), exc.read()
-
-
-def _burst(port: int, count: int, priority: str | None) -> list[tuple[int, float, dict, bytes]]:
-    with ThreadPoolExecutor(count) as pool:
-        return list(pool.map(lambda _: _post(port, priority), range(count)))
+def _burst(port: int, count: int, priority: str | None) -> list[Reply]:
+    return burst(port, MODEL, [{"x-priority": priority} if priority else None] * count)
 
 
 def test_a_burst_over_the_budget_is_refused_at_once_with_an_openai_429(stack) -> None:
     fleet, trimtab, envoy, port = stack
     key = "circuit_breakers.adm.high.max_requests"
-    wait_until(lambda: _runtime(envoy), SETTLE_S * 2, f"Envoy's runtime holds {key}={BUDGET}",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S * 2, f"Envoy's runtime holds {key}={BUDGET}",
                check=lambda rt: rt.get(key) == str(BUDGET)
                and rt.get("circuit_breakers.adm.default.max_requests") == str(BATCH))
-    before = _stats(envoy)
+    before = envoy_counters(envoy)
     results = _burst(port, 30, None)
     served = [r for r in results if r[0] == 200]
     refused = [r for r in results if r[0] == 429]
@@ -129,7 +74,7 @@ def test_a_burst_over_the_budget_is_refused_at_once_with_an_openai_429(stack) ->
         error = json.loads(body)["error"]
         assert error["code"] == "rate_limit_exceeded" and error["type"] and error["message"]
         assert int(headers["retry-after"]) >= 1
-    after = _stats(envoy)
+    after = envoy_counters(envoy)
     assert after["cluster.adm.upstream_rq_active_overflow"] - before.get(
         "cluster.adm.upstream_rq_active_overflow", 0) == len(refused)
 
@@ -143,7 +88,7 @@ def _lrs_counts(trimtab: TrimtabProcess) -> tuple[int, int]:
 
 def _envoy_counts(envoy: EnvoyProcess) -> tuple[int, int]:
     """Envoy's own (admitted, refused by the circuit breaker) for the pool."""
-    stats = _stats(envoy)
+    stats = envoy_counters(envoy)
     return (stats.get("cluster.adm.upstream_rq_total", 0),
             stats.get("cluster.adm.upstream_rq_active_overflow", 0))
 
@@ -163,9 +108,9 @@ def _admission(trimtab: TrimtabProcess) -> dict:
 
 def test_trimtab_counts_what_envoy_admitted_and_refused_from_its_load_reports(stack) -> None:
     fleet, trimtab, envoy, port = stack
-    wait_until(lambda: _runtime(envoy), SETTLE_S, "the budget in force",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S, "the budget in force",
                check=lambda rt: rt.get("circuit_breakers.adm.high.max_requests") == str(BUDGET))
-    wait_until(lambda: _stats(envoy).get("cluster.adm.upstream_rq_active", 0), HOLD_S * 3,
+    wait_until(lambda: envoy_counters(envoy).get("cluster.adm.upstream_rq_active", 0), HOLD_S * 3,
                "earlier requests finished", check=lambda active: active == 0)
     # Envoy reports a cluster's counts from when the cluster enters its report (requests
     # before that are never reported): compare what this burst adds, once the sums are still
@@ -206,7 +151,7 @@ def test_trimtab_counts_what_envoy_admitted_and_refused_from_its_load_reports(st
 
 def test_batch_is_refused_first(stack) -> None:
     fleet, trimtab, envoy, port = stack
-    wait_until(lambda: _runtime(envoy), SETTLE_S, "the budget in force",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S, "the budget in force",
                check=lambda rt: rt.get("circuit_breakers.adm.default.max_requests") == str(BATCH))
     results = _burst(port, 20, "batch")
     assert sum(r[0] == 200 for r in results) == BATCH, [r[0] for r in results]
@@ -215,13 +160,13 @@ def test_batch_is_refused_first(stack) -> None:
 
 def test_a_budget_change_is_a_runtime_update_not_a_cluster_update(stack) -> None:
     fleet, trimtab, envoy, port = stack
-    before = _stats(envoy)
+    before = envoy_counters(envoy)
     for index in range(2):  # twice as fast: 4 requests/s each, 6 may queue: 28 in all
         fleet.set_vllm(index, tokens_per_s=4000.0)
     key = "circuit_breakers.adm.high.max_requests"
-    wait_until(lambda: _runtime(envoy), SETTLE_S * 3, "the budget grows",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S * 3, "the budget grows",
                check=lambda rt: int(rt.get(key) or 0) > BUDGET)
-    after = _stats(envoy)
+    after = envoy_counters(envoy)
     assert after["runtime.load_success"] > before["runtime.load_success"]
     for name in ("cluster_manager.cds.update_success", "cluster_manager.cluster_modified",
                  "cluster_manager.cluster_added", "cluster_manager.cluster_removed"):

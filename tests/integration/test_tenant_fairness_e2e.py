@@ -15,20 +15,22 @@ does not refuse).
 from __future__ import annotations
 
 import json
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
-import yaml
 
 from tests.integration.conftest import TrimtabProcess
-from tests.support import BackendFleet, VllmPage
+from tests.support import VllmPage
+from tests.support.admission import (
+    Reply,
+    Stack,
+    admission_stack,
+    burst,
+    envoy_counters,
+    envoy_runtime,
+)
 from tests.support.wait import wait_until
-from trimtab_dev.envoy_process import EnvoyProcess, free_port, render_bootstrap
+from trimtab_dev.envoy_process import EnvoyProcess
 from weight_calculator.fairness import MIN_LEVEL, rate_of
 
 pytestmark = pytest.mark.slow
@@ -41,86 +43,26 @@ ENFORCED = "trimtab.tenants.fair.enforced"
 STATS = "trimtab_tenants_fair.http_local_rate_limit"
 
 
-def _config(path: Path, fleet: BackendFleet, ports: dict[str, int]) -> None:
-    config = {
-        "xds": {"address": f"127.0.0.1:{ports['xds']}"},
-        "admin": {"address": f"127.0.0.1:{ports['admin']}"},
-        "listener": {"address": f"127.0.0.1:{ports['listener']}"},
-        "telemetry": {"interval_seconds": INTERVAL_S, "stale_after_seconds": 3.0},
-        "pools": [{"name": "fair", "model": MODEL, "slo": {"ttft_seconds": 2.0},
-                   "admission": {"tenant_header": "x-tenant"},
-                   "endpoints": [{"address": address} for address in fleet.addresses]}],
-    }
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-
-
 def _page(running: int, waiting: int) -> VllmPage:
     return VllmPage(kv_usage=0.9, waiting=waiting, running=running, tokens_per_s=2000.0,
                     tokens_per_request=1000.0)
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory
-          ) -> Iterator[tuple[BackendFleet, TrimtabProcess, EnvoyProcess, int]]:
-    workdir = tmp_path_factory.mktemp("tenants")
-    ports = {name: free_port() for name in ("xds", "admin", "listener", "envoy_admin")}
-    fleet = BackendFleet(2).start()
-    trimtab = TrimtabProcess(workdir / "trimtab.yaml", ports["admin"], workdir / "trimtab.log")
-    envoy = EnvoyProcess(extra_args=["--concurrency", "2"])
-    try:
-        for index in range(2):
-            fleet.set_vllm(index, _page(running=8, waiting=12))
-            fleet.backends[index].response_delay_s = HOLD_S
-        _config(workdir / "trimtab.yaml", fleet, ports)
-        trimtab.start()
-        trimtab.wait_ready()
-        envoy.start(render_bootstrap(xds_host="127.0.0.1", xds_port=ports["xds"],
-                                     admin_port=ports["envoy_admin"]), workdir / "envoy.log")
-        envoy.wait_ready(timeout=SETTLE_S)
-        yield fleet, trimtab, envoy, ports["listener"]
-    finally:
-        pids = [p.pid for p in (trimtab.proc, envoy.proc) if p is not None]
-        envoy.stop()
-        trimtab.stop()
-        fleet.stop()
-        assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "processes left"
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    pool = {"name": "fair", "model": MODEL, "slo": {"ttft_seconds": 2.0},
+            "admission": {"tenant_header": "x-tenant"}}
+    page = _page(running=8, waiting=12)
+    with admission_stack(tmp_path_factory.mktemp("tenants"), [page, page], HOLD_S, pool,
+                         INTERVAL_S, SETTLE_S) as stack:
+        yield stack
 
 
-def _runtime(envoy: EnvoyProcess) -> dict[str, str]:
-    entries = json.loads(envoy.admin_get("/runtime"))["entries"]
-    return {k: v.get("final_value", "") for k, v in entries.items()}
+def _burst(port: int, tenants: list[str | None]) -> list[Reply]:
+    return burst(port, MODEL, [{"x-tenant": t} if t is not None else None for t in tenants])
 
 
-def _stats(envoy: EnvoyProcess) -> dict[str, int]:
-    out = {}
-    for line in envoy.admin_get("/stats").splitlines():
-        name, _, value = line.partition(": ")
-        if value.strip().isdigit():
-            out[name] = int(value)
-    return out
-
-
-def _post(port: int, tenant: str | None) -> tuple[int, float, dict[str, str], bytes]:
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}).encode()
-    headers = {"content-type": "application/json"}
-    if tenant is not None:
-        headers["x-tenant"] = tenant
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", body,
-                                     headers)
-    started = time.perf_counter()
-    try:
-        with urllib.request.urlopen(request, timeout=30) as resp:
-            return resp.status, time.perf_counter() - started, dict(resp.headers), resp.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, time.perf_counter() - started, dict(exc.headers), exc.read()
-
-
-def _burst(port: int, tenants: list[str | None]) -> list[tuple[int, float, dict, bytes]]:
-    with ThreadPoolExecutor(len(tenants)) as pool:
-        return list(pool.map(lambda tenant: _post(port, tenant), tenants))
-
-
-def _codes(results: list[tuple[int, float, dict, bytes]]) -> list[int]:
+def _codes(results: list[Reply]) -> list[int]:
     return [r[0] for r in results]
 
 
@@ -130,7 +72,7 @@ def _cap_at_floor(trimtab: TrimtabProcess, envoy: EnvoyProcess) -> None:
     wait_until(lambda: trimtab.metric("trimtab_admission_tenant_rate", cluster="fair"),
                SETTLE_S * 2, "the tenant cap at its floor",
                check=lambda v: v is not None and abs(v - floor) < 1e-9)
-    wait_until(lambda: _runtime(envoy), SETTLE_S, f"Envoy's runtime holds {ENFORCED}=100",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S, f"Envoy's runtime holds {ENFORCED}=100",
                check=lambda rt: rt.get(ENFORCED) == "100")
     wait_until(lambda: envoy.admin_get("/config_dump?resource=dynamic_route_configs"),
                SETTLE_S, "Envoy's routes hold the floor's bucket (64 s a token)",
@@ -140,7 +82,7 @@ def _cap_at_floor(trimtab: TrimtabProcess, envoy: EnvoyProcess) -> None:
 def test_a_flooding_tenant_is_refused_past_its_bucket_and_the_others_still_pass(stack) -> None:
     fleet, trimtab, envoy, port = stack
     _cap_at_floor(trimtab, envoy)
-    before = _stats(envoy)
+    before = envoy_counters(envoy)
     flood = _burst(port, ["flood"] * 8)
     assert sorted(_codes(flood)) == [200] + [429] * 7, _codes(flood)  # a bucket of one
     for status, seconds, headers, body in flood:
@@ -154,7 +96,7 @@ def test_a_flooding_tenant_is_refused_past_its_bucket_and_the_others_still_pass(
     others = _burst(port, ["calm", "quiet", None])
     assert _codes(others) == [200, 200, 200]  # each its own bucket; no header: one shared
     assert _codes(_burst(port, [None])) == [429]  # the anonymous bucket is spent too
-    after = _stats(envoy)
+    after = envoy_counters(envoy)
     for stat in ("rate_limited", "enforced"):  # found the bucket empty; refused for it
         assert after[f"{STATS}.{stat}"] - before.get(f"{STATS}.{stat}", 0) == 8, stat
     assert after.get("cluster.fair.upstream_rq_active_overflow", 0) == before.get(
@@ -167,11 +109,11 @@ def test_with_room_in_the_pool_the_tenant_limit_only_counts(stack) -> None:
         fleet.set_vllm(index, _page(running=2, waiting=0))
     wait_until(lambda: trimtab.metric("trimtab_admission_tenant_enforced", cluster="fair"),
                SETTLE_S * 3, "the tenant limit switched off", check=lambda v: v == 0.0)
-    wait_until(lambda: _runtime(envoy), SETTLE_S, f"{ENFORCED} gone from Envoy's runtime",
+    wait_until(lambda: envoy_runtime(envoy), SETTLE_S, f"{ENFORCED} gone from Envoy's runtime",
                check=lambda rt: ENFORCED not in rt or rt[ENFORCED] in ("", "0"))
-    before = _stats(envoy)
+    before = envoy_counters(envoy)
     flood = _burst(port, ["flood"] * 12)  # the cap back at 4 a second, a bucket of 4: runs dry
     assert _codes(flood) == [200] * 12
-    after = _stats(envoy)
+    after = envoy_counters(envoy)
     assert after[f"{STATS}.rate_limited"] > before.get(f"{STATS}.rate_limited", 0)
     assert after.get(f"{STATS}.enforced", 0) == before.get(f"{STATS}.enforced", 0)
