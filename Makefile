@@ -4,8 +4,11 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
 PYTEST_ARGS ?=
+# the container image: the tag deploy/base/trimtab.yaml runs (tests/test_image.py checks they agree)
+VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+IMAGE   ?= ghcr.io/trimtab/trimtab:$(VERSION)
 
-.PHONY: venv test test-fast demo lint bench clean
+.PHONY: venv test test-fast demo lint bench image clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +33,9 @@ lint: venv
 
 bench: venv
 	$(PY) benchmarks/push_latency.py
+
+image:  ## the Dockerfile with podman, buildah or docker (CONTAINER_ENGINE=... to choose)
+	scripts/build-image.sh "$(IMAGE)"
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -453,9 +453,24 @@ def test_vllm_example_serves_the_pools_model_on_a_gpu():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
 
 
+def test_every_configmap_is_mounted_or_picked_up_by_its_label():
+    """A ConfigMap nothing reads is a prerequisite in disguise (the Prometheus scrape config
+    once was one: a Prometheus in `monitoring` cannot mount a ConfigMap of namespace trimtab)."""
+    mounted = {name for workload in workloads()
+               for name in _configmap_mounts(workload).values()}
+    written = {"trimtab-rollouts"}  # trimtab's rollout state (trimtab-coordination.yaml)
+    for name in configmaps():
+        labels = next((o["metadata"].get("labels", {}) for o in objects()
+                       if o["kind"] == "ConfigMap" and o["metadata"]["name"] == name), {})
+        for generator in kustomization().get("configMapGenerator", []):
+            if generator["name"] == name:
+                labels = generator.get("options", {}).get("labels", {})
+        assert name in mounted | written or labels.get("grafana_dashboard") == "1", name
+    assert "prometheus-config" not in configmaps()
+
+
 def test_prometheus_scrapes_trimtab_vllm_and_a_fast_dcgm_exporter():
-    text = generated_configmaps()["prometheus-config"]["prometheus.yml"]
-    assert text == (BASE / "prometheus" / "prometheus.yml").read_text()
+    text = (BASE / "prometheus" / "prometheus.yml").read_text()  # merged into your Prometheus
     jobs = {job["job_name"]: job for job in yaml.safe_load(text)["scrape_configs"]}
     assert {"trimtab", "vllm", "dcgm-exporter"} <= jobs.keys()
     (target,) = jobs["trimtab"]["static_configs"][0]["targets"]

@@ -269,11 +269,14 @@ PLUGIN_GROUP = "trimtab.commands"  # development tools (trimtab_dev) register si
 @cache
 def _plugins() -> dict[str, str]:
     """Commands other installed packages add (name -> "module:function"); the product names
-    none of them, so it never imports the development tools."""
+    none of them, so it never imports the development tools. A command whose top-level
+    package is not installed is not offered: the container image's wheel is built without
+    trimtab_dev but keeps the entry points pyproject declares (Dockerfile)."""
     from importlib.metadata import entry_points
+    from importlib.util import find_spec
 
     return {ep.name: ep.value for ep in entry_points(group=PLUGIN_GROUP)
-            if ep.name not in _DELEGATED}
+            if ep.name not in _DELEGATED and find_spec(ep.module.partition(".")[0]) is not None}
 
 
 def _run_plugin(target: str, argv: list[str]) -> int:
