@@ -13,6 +13,7 @@ from typing import Any
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
 from xds_server.envoy.admission import RETRY_AFTER_KEY, tenant_filter
+from xds_server.envoy.openai_edges import not_found_mappers
 from xds_server.envoy.request_features import MODEL_HEADER, _metadata
 
 # Flags of "no server could take it": none healthy (UH); or, since Envoy's panic threshold
@@ -98,8 +99,10 @@ def _tenant_mapper(config: Config) -> dict[str, Any]:
 
 def local_reply_config(config: Config) -> dict[str, Any]:
     """HCM ``local_reply_config``: per-pool static answers first, then the JSON errors.
-    Route ``direct_response``s (our 404/400 JSON) carry no response flag and stay as they are."""
+    Route ``direct_response``s are local replies too but carry no response flag: our 400s and
+    200s stay as they are, our 404s are rewritten to name the model asked for."""
     mappers = [_static_mapper(pool) for pool in config.pools if pool.static_response is not None]
+    mappers += not_found_mappers(config)  # our 404s name the model (no flag: not the above)
     for flags, status, kind, code, message, retry in _REPLIES:
         mapper: dict[str, Any] = {"filter": {"response_flag_filter": {"flags": flags}},
                                   "status_code": status,

@@ -34,7 +34,7 @@ from google.protobuf import json_format
 from xds_server.config.addresses import parse_host_port
 from xds_server.config.pools import PoolConfig
 from xds_server.config.schema import Config
-from xds_server.envoy import request_features
+from xds_server.envoy import openai_edges, request_features
 from xds_server.envoy.admission import (
     NO_ADMISSION,
     RouteAdmission,
@@ -51,7 +51,7 @@ MODEL_HEADER = "x-model"
 ROUTE_IDLE_TIMEOUT = "300s"
 MAX_BODY_BYTES = 8 * 1024 * 1024  # json_to_metadata buffers the body; long prompts are large
 _FILTERS = "type.googleapis.com/envoy.extensions.filters"
-_JSON_CONTENT_TYPE = r"(?i)^application/json\s*(;.*)?$"
+_JSON_CONTENT_TYPE = openai_edges.JSON_CONTENT_TYPES
 _PREVIOUS_HOSTS = ("type.googleapis.com/envoy.extensions.retry.host.previous_hosts.v3."
                    "PreviousHostsPredicate")
 _PREVIOUS_PRIORITIES = ("type.googleapis.com/envoy.extensions.retry.priority.previous_priorities."
@@ -210,8 +210,12 @@ def _pool_routes(config: Config, pool: PoolConfig, source: str,
                    "route": _action(pool, percent, spill=spill)})
     wait = _retry_after(config, pool, admission)
     level = admission.tenants.get(pool.name)
-    return request_features.scope_classifier(config, pool,
-                                             admission_routes(pool, routes, wait, level))
+    routes = admission_routes(pool, routes, wait, level)
+    if source == "body":  # the body parsed as JSON, whatever content type the client sent
+        for route in routes:
+            if "route" in route:
+                route["request_headers_to_add"] = openai_edges.content_type_json()
+    return request_features.scope_classifier(config, pool, routes)
 
 
 def model_routes(config: Config, canary: Mapping[str, float] | None = None,
@@ -223,13 +227,14 @@ def model_routes(config: Config, canary: Mapping[str, float] | None = None,
     canary = canary or {}
     auto = auto or {}
     routable = [pool for pool in config.pools if pool.name not in _class_only(config)]
-    routes: list[dict[str, Any]] = []
+    routes = [openai_edges.invalid_body_route(), *openai_edges.models_routes(config)]
     for pool in routable:
         routes += _pool_routes(config, pool, "header", canary, auto.get(pool.name, ()),
                                admission)
     present = {"headers": [{"name": MODEL_HEADER, "present_match": True}]}
     routes.append(_json_error("header:unknown", present, 404, "model_not_found",
                               "The model in the x-model header is not served here."))
+    # (local_replies rewrites these 404s to name the model: openai_edges.not_found_mappers)
     for pool in routable:
         routes += _pool_routes(config, pool, "body", canary, auto.get(pool.name, ()),
                                admission)
@@ -270,7 +275,8 @@ def build_route_config(config: Config, canary: Mapping[str, float] | None = None
 def http_filters(config: Config | None = None) -> list[dict[str, Any]]:
     rule = {"selectors": [{"key": "model"}],
             "on_present": {"metadata_namespace": METADATA_NAMESPACE, "key": "model",
-                           "type": "STRING"}}
+                           "type": "STRING"},
+            "on_error": openai_edges.on_error()}  # not JSON: routes answer 400
     extra = request_features.json_rules(config) if config is not None else []
     lua = request_features.lua_filter(config) if config is not None else None
     hop = request_features.ext_proc_filter(config) if config is not None else None
@@ -311,4 +317,11 @@ def build_listener(config: Config) -> listener_pb2.Listener:
         "filter_chains": [{"filters": [
             {"name": "envoy.filters.network.http_connection_manager", "typed_config": hcm}]}],
     }
-    return json_format.ParseDict(document, listener_pb2.Listener())
+    listener = json_format.ParseDict(document, listener_pb2.Listener())
+    # ParseDict packs the HCM without sorting maps (the local replies' json_format is a
+    # Struct): pack it again deterministically so every replica gives the same bytes.
+    packed = listener.filter_chains[0].filters[0].typed_config
+    manager = http_connection_manager_pb2.HttpConnectionManager()
+    packed.Unpack(manager)
+    packed.Pack(manager, deterministic=True)
+    return listener
