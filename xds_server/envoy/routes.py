@@ -6,6 +6,8 @@
 * An ``x-model`` header wins over the body: header routes come first.
 * An unknown model gets 404 with an OpenAI-style JSON error, not a 503.
 * With one pool, a request without any model goes to it; with several it gets 400.
+* Before all of these, the OpenAI edges Envoy answers itself (:mod:`.openai_edges`): a body
+  sent as JSON that does not parse (400), ``GET /v1/models`` and ``GET /v1/models/{id}``.
 * Routes never time out a stream (``timeout: 0s``); a stream idle for 5 minutes is closed.
 
 These depend on the config only, so they are built once per config, not per tick.
