@@ -13,8 +13,9 @@ the tick's lag)::
 ``R_i``, the requests the engine runs at once, is learnt from the reads that found it full
 (requests waiting: the engine admitted all it could), and otherwise never taken below what it
 runs now. The pool's budget is the sum over its serving endpoints, never below what they run
-at once, so admission never refuses work the fleet can serve. A pool without a measured
-service rate has no budget: it admits everything, as before.
+at once, so admission never refuses work the fleet can serve. Until the service rate is
+measured, a full engine's throughput stands in for it (a lower bound); a pool with neither
+has no budget: it admits everything.
 """
 
 from __future__ import annotations
@@ -81,10 +82,23 @@ def _running_capacity(ew: EndpointWeight, previous: EndpointBudget | None) -> fl
     return max(before, running)
 
 
+def _service_rate(ew: EndpointWeight) -> float | None:
+    """The measured service rate; before there is one, while the engine is full (requests
+    waiting), the throughput it showed, which bounds the rate from below: admission starts
+    with the first full read instead of after a horizon of queued time, by which a surge
+    has queued seconds of work that every later request waits behind."""
+    mu = ew.breakdown.get("service_rate_used")
+    if mu:
+        return mu
+    if ew.signals.get("queue", 0.0) > 0 and ew.signals.get("running", 0.0) > 0:
+        return ew.breakdown.get("throughput") or None
+    return None
+
+
 def _endpoint_budget(ew: EndpointWeight, policy: AdmissionPolicy,
                      previous: EndpointBudget | None) -> EndpointBudget:
     r = _running_capacity(ew, previous)
-    mu = ew.breakdown.get("service_rate_used")
+    mu = _service_rate(ew)
     c = ew.breakdown.get("work_per_request")
     if not mu or not c or mu <= 0 or c <= 0:
         return EndpointBudget(r, 0, False)

@@ -310,8 +310,8 @@ def _endpoint(e: _Estimate, mu: float, share: float, units: float, backlog: floa
         breakdown["service_rate"] = mu
     if rated:  # measured, else the prior; not before any rate is (mu is a capacity then)
         breakdown["service_rate_used"] = mu  # the prompt classes' prefill cap reads it
-        if per_request is not None:  # the admission budget reads both (admission.py)
-            breakdown["work_per_request"] = per_request
+    if per_request is not None:  # the admission budget reads it (admission.py)
+        breakdown["work_per_request"] = per_request
     kv = signals.get("kv_usage")
     if degraded:
         weight, health, reason = MIN_WEIGHT, DEGRADED, (

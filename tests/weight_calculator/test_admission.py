@@ -48,6 +48,16 @@ def test_nothing_measured_admits_everything() -> None:
     assert held.in_flight is None and "fail-static" in held.reason
 
 
+def test_a_full_engine_without_a_measured_rate_is_budgeted_on_its_throughput() -> None:
+    def unrated(waiting: float) -> EndpointWeight:
+        ew = _ew(8, waiting, mu=None)
+        return EndpointWeight(ew.weight, False, False, ew.signals, 0.0, "ok", HEALTHY,
+                              {**ew.breakdown, "throughput": 1000.0})
+    budget = pool_budget(_pool(a=unrated(4)), AdmissionPolicy(2.0))
+    assert budget.in_flight == 8 + 1  # 1 completion/s (a lower bound) x 0.75 x 2 s
+    assert pool_budget(_pool(a=unrated(0)), AdmissionPolicy(2.0)).in_flight is None  # not full
+
+
 def test_running_capacity_is_learnt_when_full_and_kept_when_not() -> None:
     policy = AdmissionPolicy(2.0)
     first = pool_budget(_pool(a=_ew(8, 4)), policy)
