@@ -111,11 +111,11 @@ def test_only_routes_of_pools_with_tiers_take_the_hop() -> None:
 
 BAD = [
     ({"classifier": {"rules": RULES}, "pools": _pools("m", intent_tiers={"nope": "intent-code"})},
-     "pools[0].intent_tiers.nope: no classifier rule puts requests in tier 'nope'"),
+     "pools[intent].intent_tiers.nope: no classifier rule puts requests in tier 'nope'"),
     ({"pools": _pools("m", intent_tiers={"code": "intent-code"})},
-     "pools[0].intent_tiers.code: intent tiers need a top-level `classifier`"),
+     "pools[intent].intent_tiers.code: intent tiers need a top-level `classifier`"),
     ({"classifier": {"rules": RULES}, "pools": _pools(intent_tiers={"code": "gone"})},
-     "pools[0].intent_tiers.code: expected another pool's name"),
+     "pools[intent].intent_tiers.code: expected another pool's name"),
     ({"classifier": {"rules": [{"tier": "x", "patterns": ["(unclosed"]}]}, "pools": _pools()},
      "classifier.rules[0].patterns: pattern '(unclosed' is not a regular expression"),
     ({"classifier": {"rules": [{"tier": "a b"}]}, "pools": _pools()}, "classifier.rules[0].tier"),

@@ -84,7 +84,7 @@ def test_validate_bad_address_subprocess(tmp_path: Path) -> None:
     result = _cli("validate", "--config", str(path))
     assert result.returncode == EXIT_BAD_INPUT
     assert _problem_lines(result.stderr) == [
-        "pools[0].endpoints[0].address: expected host:port, got 'foo'"]
+        "pools[llama].endpoints[0].address: expected host:port, got 'foo'"]
 
 
 def test_serve_with_bad_config_exits_2_subprocess(tmp_path: Path) -> None:
@@ -104,14 +104,14 @@ def test_validate_ok_in_process(tmp_path: Path, capsys: pytest.CaptureFixture[st
 
 CASES = {
     "missing-pools": ("xds: {address: 127.0.0.1:18000}\n", "pools", "Field required"),
-    "missing-model": (POOL.replace("    model: meta/llama\n", ""), "pools[0].model",
+    "missing-model": (POOL.replace("    model: meta/llama\n", ""), "pools[llama].model",
                       "Field required"),
-    "bad-address": (POOL.replace("127.0.0.1:8001", "foo"), "pools[0].endpoints[0].address",
+    "bad-address": (POOL.replace("127.0.0.1:8001", "foo"), "pools[llama].endpoints[0].address",
                     "expected host:port, got 'foo'"),
     "duplicate-pool": (POOL + POOL[len("pools:\n"):].replace("meta/llama", "meta/other"),
                        "pools[1].name", "duplicate pool name 'llama'"),
     "duplicate-endpoint": (POOL + "      - address: 127.0.0.1:8001\n",
-                           "pools[0].endpoints[1].address",
+                           "pools[llama].endpoints[1].address",
                            "duplicate endpoint address '127.0.0.1:8001'"),
     "interval-zero": ("telemetry: {interval_seconds: 0}\n" + POOL,
                       "telemetry.interval_seconds", "greater than 0"),
@@ -119,27 +119,27 @@ CASES = {
                           "telemetry.interval_seconds", "greater than 0"),
     "unknown-lb-policy": (POOL.replace("    model: meta/llama\n",
                                        "    model: meta/llama\n    lb_policy: weighted\n"),
-                          "pools[0].lb_policy", "got 'weighted'"),
+                          "pools[llama].lb_policy", "got 'weighted'"),
     "unknown-key": ("colour: blue\n" + POOL, "colour", "unknown key"),
     "unknown-nested-key": (POOL.replace("    model: meta/llama\n",
                                         "    model: meta/llama\n    weight: 3\n"),
-                           "pools[0].weight", "unknown key"),
+                           "pools[llama].weight", "unknown key"),
     "hostname-endpoint": (POOL.replace("127.0.0.1:8001", "localhost:8001"),
-                          "pools[0].endpoints[0].address",
+                          "pools[llama].endpoints[0].address",
                           "expected an IP address (EDS endpoints are IPs), got 'localhost'"),
     "hostname-listener": ("listener: {address: 'localhost:10000'}\n" + POOL, "listener.address",
                           "expected an IP address (Envoy binds a listener to a socket address, "
                           "not a hostname), got 'localhost'"),
     "canary-static-source": (CANARY.replace("    rollout:", "    telemetry_source: static\n"
                                                             "    rollout:"),
-                             "pools[0].telemetry_source", f"{SCRAPE_ONLY}: its SLO gates read "
+                             "pools[qwen].telemetry_source", f"{SCRAPE_ONLY}: its SLO gates read "
                              "latency histograms and request counters from the endpoints' "
                              "metrics pages; this pool reads 'static'"),
     "canary-prometheus-source": ("telemetry: {source: prometheus}\n" + CANARY,
-                                 "pools[0].telemetry_source",
+                                 "pools[qwen].telemetry_source",
                                  "this pool reads 'prometheus' (from telemetry.source)"),
     "canary-file-source": ("telemetry: {source: file, file: signals.yaml}\n" + CANARY,
-                           "pools[0].telemetry_source", SCRAPE_ONLY),
+                           "pools[qwen].telemetry_source", SCRAPE_ONLY),
 }
 
 
@@ -167,7 +167,7 @@ def test_every_problem_gets_its_own_line(tmp_path: Path,
     code, stderr = _validate(tmp_path, capsys, text)
     assert code == EXIT_BAD_INPUT
     keys = sorted(line.split(": ", 1)[0] for line in _problem_lines(stderr))
-    assert keys == ["pools[0].endpoints[0].address", "telemetry.interval_seconds"]
+    assert keys == ["pools[llama].endpoints[0].address", "telemetry.interval_seconds"]
 
 
 def test_invalid_yaml(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -196,7 +196,7 @@ def test_serve_with_bad_config_in_process(tmp_path: Path,
     path = tmp_path / "bad.yaml"
     path.write_text(POOL.replace("127.0.0.1:8001", "foo"))
     assert main(["serve", "--config", str(path)]) == EXIT_BAD_INPUT
-    assert "pools[0].endpoints[0].address: expected host:port, got 'foo'" in capsys.readouterr().err
+    assert "pools[llama].endpoints[0].address: expected host:port, got 'foo'" in capsys.readouterr().err
 
 
 def test_missing_subcommand_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

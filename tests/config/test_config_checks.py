@@ -129,7 +129,7 @@ def test_a_config_endpoint_that_names_no_host_is_a_config_error(address: str, wh
     with pytest.raises(ConfigError) as caught:
         parse_config(document)
     [(key, reason)] = caught.value.problems
-    assert key == "pools[1].endpoints[0].address"
+    assert key == "pools[b].endpoints[0].address"
     assert reason.startswith(f"{address!r}: ") and why in reason
 
 

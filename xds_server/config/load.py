@@ -1,20 +1,27 @@
 """File -> `Config`: the file read within bounds (a regular file only, size, UTF-8, nesting,
 alias expansion), parsed as YAML, validated, and every failure turned into a `ConfigError`
 naming the key path and the reason, e.g.
-``pools[1].endpoints[0].address: expected host:port, got 'foo'``. The CLI turns a
-`ConfigError` into exit status 2."""
+``pools[llama3-8b].endpoints[0].address: expected host:port, got 'foo'``: a pool is named by
+its name (by its index when it has no usable or unique name), and an unknown key comes with
+the closest known key at that place (``unknown key; did you mean lb_policy?``). The CLI
+turns a `ConfigError` into exit status 2."""
 
 from __future__ import annotations
 
 import asyncio
+import difflib
 import os
+import re
 import stat
-from collections.abc import Iterable
+import types
+import typing
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from xds_server.config.checks import config_problems
 from xds_server.config.schema import Config
@@ -39,6 +46,62 @@ def _format_loc(loc: tuple[int | str, ...]) -> str:
     return path
 
 
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation holds: itself, or inside Optional/Union/list/dict/
+    Annotated (a dict's values, a list's items)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    args = typing.get_args(annotation)
+    origin = typing.get_origin(annotation)
+    if origin in (dict, Mapping) and len(args) == 2:
+        args = args[1:]
+    elif origin is typing.Annotated:
+        args = args[:1]
+    elif not (origin in (typing.Union, types.UnionType, list, tuple, set, frozenset)
+              or origin is not None and getattr(origin, "__module__", "") == "collections.abc"):
+        return []
+    return [model for arg in args if arg is not Ellipsis for model in _models_in(arg)]
+
+
+def _field_keys(model: type[BaseModel]) -> dict[str, Any]:
+    """The keys a config mapping may hold (a field's alias where it has one) -> annotation."""
+    return {(field.alias or name): field.annotation for name, field in model.model_fields.items()}
+
+
+def _is_mapping(annotation: Any) -> bool:
+    """A dict field (or an optional one): its keys are names the operator chose."""
+    if typing.get_origin(annotation) in (dict, Mapping):
+        return True
+    return any(_is_mapping(arg) for arg in typing.get_args(annotation)
+               if typing.get_origin(annotation) in (typing.Union, types.UnionType))
+
+
+def _known_keys(loc: tuple[int | str, ...]) -> set[str]:
+    """Every key the mapping at ``loc`` (the unknown key's parent) accepts; empty when the
+    place cannot be told from the location."""
+    models: list[type[BaseModel]] = [Config]
+    free_key = False  # the next part is a key of a dict field (a version label, a tier name)
+    for part in loc:
+        if isinstance(part, int) or free_key:
+            free_key = False
+            continue  # a list item or a dict key: the element's models were taken already
+        named = [m for m in models if m.__name__ == part]
+        if named:  # a union member's tag in the location
+            models = named
+            continue
+        fields = [_field_keys(m)[part] for m in models if part in _field_keys(m)]
+        models = [model for annotation in fields for model in _models_in(annotation)]
+        if not models:
+            return set()
+        free_key = any(_is_mapping(annotation) for annotation in fields)
+    return {key for m in models for key in _field_keys(m)}
+
+
+def _suggestion(key: str, loc: tuple[int | str, ...]) -> str:
+    close = difflib.get_close_matches(key, sorted(_known_keys(loc)), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
 def _reason(error: Any) -> str:
     message = str(error["msg"])
     for prefix in ("Value error, ", "Assertion failed, "):
@@ -47,12 +110,43 @@ def _reason(error: Any) -> str:
     if error["type"] == "literal_error":
         message = f"{message}, got {error['input']!r}"
     if error["type"] == "extra_forbidden":
+        loc = tuple(error["loc"])
         message = "unknown key"
+        if loc and isinstance(loc[-1], str):
+            message += _suggestion(loc[-1], loc[:-1])
     return message
 
 
 def _pydantic_problems(exc: ValidationError) -> list[tuple[str, str]]:
     return [(_format_loc(tuple(err["loc"])), _reason(err)) for err in exc.errors()]
+
+
+_POOL_INDEX = re.compile(r"(?<![\w.\]])pools\[(\d+)\]")
+_LABEL = re.compile(r"(?=.*[^0-9])[A-Za-z0-9._:/@+-]+")  # not all digits: never read as an index
+
+
+def _pool_labels(data: Mapping[str, Any]) -> dict[str, str]:
+    """Pool index -> its name, for pools whose name is a plain string no other pool has."""
+    pools = data.get("pools")
+    if not isinstance(pools, list):
+        return {}
+    names = [p.get("name") if isinstance(p, dict) else None for p in pools]
+    counts = Counter(n for n in names if isinstance(n, str))
+    return {str(i): n for i, n in enumerate(names)
+            if isinstance(n, str) and counts[n] == 1 and _LABEL.fullmatch(n)}
+
+
+def _named(problems: Iterable[tuple[str, str]], data: Mapping[str, Any]
+           ) -> list[tuple[str, str]]:
+    """``pools[0]`` -> ``pools[llama3-8b]`` in every path and reason: an operator reads a
+    pool's name, not its place in the list."""
+    labels = _pool_labels(data)
+
+    def name(match: re.Match[str]) -> str:
+        return f"pools[{labels.get(match.group(1), match.group(1))}]"
+
+    return [(_POOL_INDEX.sub(name, path), _POOL_INDEX.sub(name, reason))
+            for path, reason in problems]
 
 
 def parse_config(data: Any) -> Config:
@@ -62,10 +156,10 @@ def parse_config(data: Any) -> Config:
     try:
         config = Config.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_pydantic_problems(exc)) from None
+        raise ConfigError(_named(_pydantic_problems(exc), data)) from None
     problems = config_problems(config)
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(_named(problems, data))
     return config
 
 
