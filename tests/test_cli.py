@@ -124,9 +124,10 @@ CASES = {
     "unknown-nested-key": (POOL.replace("    model: meta/llama\n",
                                         "    model: meta/llama\n    weight: 3\n"),
                            "pools[llama].weight", "unknown key"),
-    "hostname-endpoint": (POOL.replace("127.0.0.1:8001", "localhost:8001"),
-                          "pools[llama].endpoints[0].address",
-                          "expected an IP address (EDS endpoints are IPs), got 'localhost'"),
+    "bad-hostname-endpoint": (POOL.replace("127.0.0.1:8001", "vllm_1.svc:8001"),
+                              "pools[llama].endpoints[0].address",
+                              "expected an IP address or a DNS host name, got 'vllm_1.svc': "
+                              "label 'vllm_1' is not 1..63 letters, digits and inner hyphens"),
     "hostname-listener": ("listener: {address: 'localhost:10000'}\n" + POOL, "listener.address",
                           "expected an IP address (Envoy binds a listener to a socket address, "
                           "not a hostname), got 'localhost'"),
@@ -308,8 +309,13 @@ def test_rollout_commands_send_the_admin_token(guarded_server: tuple[Path, str],
     assert main(["rollout", "pause", "qwen", "--config", str(path)]) == 0
     answer = json.loads(capsys.readouterr().out)
     assert (answer["phase"], answer["percent"]) == ("paused", 10.0)
-    assert main(["rollout", "status", "--config", str(path)]) == 0  # reads are protected too
+    assert main(["rollout", "status", "--json", "--config", str(path)]) == 0  # reads too
     assert json.loads(capsys.readouterr().out)["rollouts"]["qwen"]["phase"] == "paused"
+    assert main(["rollout", "status", "qwen", "--config", str(path)]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[0].split() == ["pool", "phase", "canary", "step", "step", "age", "reason"]
+    assert table[1].split()[:3] == ["qwen", "paused", "10%"]
+    assert any(line.split()[2:4] == ["pause", "10%"] for line in table)  # its latest events
     assert main(["rollout", "resume", "qwen", "--config", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["phase"] == "progressing"
 
@@ -321,7 +327,7 @@ def test_rollout_without_the_token_is_refused_with_a_hint(guarded_server: tuple[
     assert main(["rollout", "abort", "qwen", "--admin", base]) == 1
     err = capsys.readouterr().err
     assert "401" in err and "pass --config with the admin.auth" in err
-    assert main(["rollout", "status", "--config", str(path)]) == 0
+    assert main(["rollout", "status", "--json", "--config", str(path)]) == 0
     assert json.loads(capsys.readouterr().out)["rollouts"]["qwen"]["phase"] == "progressing"
 
 
@@ -332,6 +338,84 @@ def test_rollout_with_an_unreadable_token_file_exits_2(tmp_path: Path,
     path.write_text(f"admin: {{auth: {{token_file: '{missing}'}}}}\n" + POOL)
     assert main(["rollout", "status", "--config", str(path)]) == EXIT_BAD_INPUT
     assert f"admin.auth.token_file: admin token file '{missing}' cannot be read" in \
+        capsys.readouterr().err
+
+
+NOW = 1_700_000_600.0
+ROLLOUTS = {
+    "rollouts": {
+        "qwen": {"phase": "paused", "percent": 10.0, "step": 1, "step_started_at": NOW - 42,
+                 "reason": "paused by operator",
+                 "history": [{"at": NOW - 100, "kind": "start", "percent": 10.0, "reason": ""},
+                             {"at": NOW - 42, "kind": "pause", "percent": 10.0,
+                              "reason": "paused by operator"}]},
+        "llama": {"phase": "progressing", "percent": 30.0, "step": 3,
+                  "step_started_at": NOW - 5, "reason": "", "history": []},
+    },
+    "leader": {"mode": "embedded", "leading": True},
+}
+
+
+def test_rollout_status_table_shows_every_pool_or_only_the_one_named() -> None:
+    from xds_server.cli import render_rollouts
+
+    every = render_rollouts(ROLLOUTS, now=NOW).splitlines()
+    assert [line.split()[:3] for line in every[1:3]] == [["llama", "progressing", "30%"],
+                                                         ["qwen", "paused", "10%"]]
+    one = render_rollouts(ROLLOUTS, "qwen", now=NOW).splitlines()
+    assert one[0].split() == ["pool", "phase", "canary", "step", "step", "age", "reason"]
+    assert one[1].split() == ["qwen", "paused", "10%", "1", "42s", "paused", "by", "operator"]
+    assert not any("llama" in line for line in one)
+    assert "latest events of qwen (oldest first):" in one
+    events = [line.split() for line in one if line.startswith("2023-")]
+    assert [e[2:4] for e in events] == [["start", "10%"], ["pause", "10%"]]
+    assert one[-1] == "this replica steps rollouts: yes (mode embedded)"
+    with pytest.raises(KeyError):
+        render_rollouts(ROLLOUTS, "nope", now=NOW)
+
+
+@pytest.fixture
+def rollouts_api() -> Iterator[str]:
+    """A stand-in admin API whose GET /v1/rollouts answers ROLLOUTS; yields its base URL."""
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            body = json.dumps(ROLLOUTS).encode()
+            self.send_response(200 if self.path == "/v1/rollouts" else 404)
+            self.send_header("content-type", "application/json")
+            self.send_header("content-length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+def test_rollout_status_pool_prints_that_pool_as_a_table(rollouts_api: str,
+                                                         capsys: pytest.CaptureFixture[str]
+                                                         ) -> None:
+    assert main(["rollout", "status", "llama", "--admin", rollouts_api]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[1].split()[:4] == ["llama", "progressing", "30%", "3"]
+    assert "qwen" not in out and "{" not in out  # that pool only, and not JSON
+    assert main(["rollout", "status", "--admin", rollouts_api]) == 0
+    assert "qwen" in capsys.readouterr().out
+    assert main(["rollout", "status", "llama", "--json", "--admin", rollouts_api]) == 0
+    assert set(json.loads(capsys.readouterr().out)["rollouts"]) == {"llama"}
+    assert main(["rollout", "status", "nope", "--admin", rollouts_api]) == EXIT_BAD_INPUT
+    assert "no rollout for pool 'nope' (pools with a rollout: llama, qwen)" in \
         capsys.readouterr().err
 
 

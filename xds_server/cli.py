@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cache
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from xds_server import __version__
 from xds_server.config.addresses import HostPort
@@ -80,7 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     agent.add_argument("--listen", default="0.0.0.0:9400", help="host:port (default 0.0.0.0:9400)")
     ro = sub.add_parser("rollout", help="show or steer canary rollouts through the admin API")
     ro.add_argument("action", choices=["status", "pause", "resume", "promote", "abort"])
-    ro.add_argument("pool", nargs="?", help="the pool (required except for status)")
+    ro.add_argument("pool", nargs="?", help="the pool (required except for status; status "
+                                            "without one shows every pool with a rollout)")
+    ro.add_argument("--json", action="store_true",
+                    help="status: the admin API's JSON document instead of a table")
     where = ro.add_mutually_exclusive_group()
     where.add_argument("--config", help="read the admin address from this config")
     where.add_argument("--admin", help="admin base URL (default http://127.0.0.1:19100)")
@@ -235,6 +238,79 @@ def _rollout_request(target: AdminTarget, action: str, pool: str | None) -> urll
                                   headers={**headers, "content-type": "application/json"})
 
 
+ROLLOUT_HISTORY_ROWS = 10  # `rollout status POOL` shows this many of the latest events
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h)
+              for i, h in enumerate(header)]
+    return ["  ".join(c.ljust(w) for c, w in zip(line, widths, strict=True)).rstrip()
+            for line in (header, *rows)]
+
+
+def _age(then: Any, now: float) -> str:
+    if not isinstance(then, int | float) or then <= 0:
+        return "-"
+    seconds = max(0, int(now - then))
+    return (f"{seconds}s" if seconds < 120 else f"{seconds // 60}m" if seconds < 7200
+            else f"{seconds // 3600}h")
+
+
+def _clock(at: Any) -> str:
+    if not isinstance(at, int | float) or at <= 0:
+        return "-"
+    return datetime.fromtimestamp(at, tz=UTC).strftime("%Y-%m-%d %H:%M:%SZ")
+
+
+def render_rollouts(document: dict[str, Any], pool: str | None = None,
+                    now: float | None = None) -> str:
+    """`trimtab rollout status [POOL]` as a table: a row per pool (only POOL's when given),
+    then POOL's latest events, then whether this replica steps rollouts. Raises KeyError
+    when POOL has no rollout in ``document``."""
+    now = time.time() if now is None else now
+    rollouts: dict[str, Any] = document.get("rollouts") or {}
+    if pool is not None:
+        rollouts = {pool: rollouts[pool]}
+    rows = [[name, str(r.get("phase", "-")), f"{r.get('percent', 0):g}%", str(r.get("step", "-")),
+             _age(r.get("step_started_at"), now), str(r.get("reason") or "-")]
+            for name, r in sorted(rollouts.items())]
+    lines = (_table(("pool", "phase", "canary", "step", "step age", "reason"), rows) if rows
+             else ["no pool has a rollout (a pool needs `versions`)"])
+    if pool is not None:
+        events = (rollouts[pool].get("history") or [])[-ROLLOUT_HISTORY_ROWS:]
+        lines += ["", f"latest events of {pool} (oldest first):"]
+        lines += _table(("at", "event", "canary", "reason"),
+                        [[_clock(e.get("at")), str(e.get("kind", "-")),
+                          f"{e.get('percent', 0):g}%", str(e.get("reason") or "-")]
+                         for e in events]) if events else ["  none yet"]
+    leader = document.get("leader")
+    if isinstance(leader, dict) and "leading" in leader:
+        steps = "yes" if leader["leading"] else "no (another replica holds the Lease)"
+        lines += ["", f"this replica steps rollouts: {steps} (mode {leader.get('mode', '-')})"]
+    return "\n".join(lines)
+
+
+def _print_rollout(args: argparse.Namespace, answer: Any) -> int:
+    """A command's answer as JSON; status as a table (``--json``: the document), only POOL's
+    rollout when one is named."""
+    if args.action != "status":
+        print(json.dumps(answer, indent=1, sort_keys=True))
+        return 0
+    rollouts = answer.get("rollouts") or {}
+    if args.pool is not None and args.pool not in rollouts:
+        known = ", ".join(sorted(rollouts)) or "none"
+        print(f"trimtab: no rollout for pool {args.pool!r} (pools with a rollout: {known})",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        if args.pool is not None:
+            answer = {**answer, "rollouts": {args.pool: rollouts[args.pool]}}
+        print(json.dumps(answer, indent=1, sort_keys=True))
+    else:
+        print(render_rollouts(answer, args.pool))
+    return 0
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     if args.action != "status" and not args.pool:
         print(f"trimtab: rollout {args.action} needs a POOL", file=sys.stderr)
@@ -247,8 +323,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     try:
         with urllib.request.urlopen(_rollout_request(target, args.action, args.pool),
                                     timeout=10) as response:
-            print(json.dumps(json.load(response), indent=1, sort_keys=True))
-            return 0
+            answer = json.load(response)
     except urllib.error.HTTPError as exc:
         print(f"trimtab: {exc.code}: {exc.read().decode(errors='replace')}", file=sys.stderr)
         if exc.code == 401 and target.token is None:
@@ -258,6 +333,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"trimtab: cannot reach the admin API at {target.base}: {exc}", file=sys.stderr)
         return 1
+    return _print_rollout(args, answer)
 
 
 _DELEGATED = {
