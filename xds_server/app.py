@@ -101,12 +101,14 @@ class Trimtab:
         warn_deprecated_drive(config)
         coordinated = kubernetes_rollouts(config)  # None: embedded mode (the state file)
         self.elector: LeaseElector | None = coordinated[1] if coordinated else None
-        self.controller = controller_type(config, self.cache,
+        # discovered endpoints (EndpointSlices, DNS names) reach the controller only through
+        # reconcile; until then, an endpoint addressed by DNS name has no endpoint
+        self.discovery = Discovery(self._apply_discovered)
+        self.controller = controller_type(self.discovery.effective(config), self.cache,
                                           state_file=state_file_path(config, config_path),
                                           rollouts=coordinated[0] if coordinated else None)
         self.history = WeightHistory.for_interval(config.telemetry.interval_seconds)
         self.controller.on_tick_off_loop.append(self._prepare_history)
-        self.discovery = Discovery(self._apply_discovered)
         self.nacks = NackLog()
         limits = config.xds.limits
         self.guard = XdsGuard(
@@ -170,6 +172,8 @@ class Trimtab:
         self._admin = await listening(self.config.admin.address,
                                       lambda: start_admin(api, admin.host, admin.port))
         self.discovery.start(self.config)
+        # the first tick's snapshot holds the named endpoints that resolve within a lookup
+        await self.discovery.dns_settled(self.config.discovery.dns.timeout_seconds + 0.5)
         if self.elector is not None:
             self.elector.start()
         log.info("trimtab serving xDS on %s, admin on %s, %d pools", self.config.xds.address,
@@ -244,6 +248,7 @@ class Trimtab:
             elector, self.elector = self.elector, None
             await elector.aclose(release=True)
         await self.discovery.close()
+        self.discovery.dns.close()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._scaler is not None:

@@ -1,8 +1,10 @@
-"""Addresses in a config: ``host:port`` (``[v6]:port`` for IPv6) parsed into a `HostPort`."""
+"""Addresses in a config: ``host:port`` (``[v6]:port`` for IPv6) parsed into a `HostPort`;
+which IPs can be an endpoint's, and which host names are syntactically DNS names."""
 
 from __future__ import annotations
 
 import ipaddress
+import re
 from dataclasses import dataclass
 
 
@@ -37,6 +39,32 @@ def is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+MAX_HOSTNAME_CHARS = 253  # RFC 1035/1123: a name's text form, without a final dot
+MAX_LABEL_CHARS = 63
+_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?$")
+
+
+def hostname_problem(host: str) -> str | None:
+    """Why ``host`` is not a DNS host name (RFC 1123: dot-separated labels of 1..63 letters,
+    digits and inner hyphens, 253 characters in all, one final dot allowed, the last label
+    not all digits), or None when it is one. Checks the text only: nothing is resolved."""
+    name = host[:-1] if host.endswith(".") else host
+    if not name:
+        return "an empty host name"
+    if len(name) > MAX_HOSTNAME_CHARS:
+        return f"a host name of {len(name)} characters (at most {MAX_HOSTNAME_CHARS})"
+    labels = name.split(".")
+    for label in labels:
+        if len(label) > MAX_LABEL_CHARS:
+            return f"a label of {len(label)} characters (at most {MAX_LABEL_CHARS})"
+        if not _LABEL.match(label):
+            return (f"label {label[:MAX_LABEL_CHARS]!r} is not 1..63 letters, digits and "
+                    f"inner hyphens (RFC 1123)")
+    if labels[-1].isdigit():
+        return "not an IP address, and a host name's last label is not all digits"
+    return None
 
 
 def _unwrapped(ip: ipaddress.IPv4Address | ipaddress.IPv6Address

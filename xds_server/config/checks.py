@@ -1,14 +1,18 @@
 """Rules that span config sections (each model validates only itself): unique names and
-addresses, one socket per listener, endpoint IPs that name one host, pool references (fallbacks, classes, versions, tiers) that exist and do not loop,
+addresses, one socket per listener, endpoint IPs that name one host, endpoint host names that
+are DNS names (at most `discovery.dns.max_names` of them, their metrics pages on the same
+name), pool references (fallbacks, classes, versions, tiers) that exist and do not loop,
 telemetry sources that can feed what a pool needs, node-cluster assignments closed under
 the traffic a pool sends on. Every rule returns (key path, reason) pairs."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from urllib.parse import urlsplit
 
 from xds_server.config.addresses import (
     HostPort,
+    hostname_problem,
     is_ip,
     parse_host_port,
     same_socket,
@@ -24,7 +28,7 @@ def config_problems(config: Config) -> Problems:
     """Every cross-section problem of `config`; empty when it is usable."""
     problems = _name_checks(config) + _fallback_checks(config) + _source_checks(config)
     problems += _rollout_source_checks(config) + _listener_checks(config)
-    problems += _shared_port_checks(config)
+    problems += _shared_port_checks(config) + _dns_name_checks(config)
     names = {pool.name for pool in config.pools}
     for p_index, pool in enumerate(config.pools):
         problems += _endpoint_checks(p_index, pool) + _class_checks(p_index, pool, names)
@@ -57,17 +61,57 @@ def _endpoint_checks(p_index: int, pool: PoolConfig) -> Problems:
     seen: dict[str, str] = {}
     for path, endpoint in _endpoint_paths(p_index, pool):
         address = str(endpoint.host_port)
-        if address in seen:
+        key = address.lower()
+        if key in seen:
             problems.append((f"{path}.address",
-                             f"duplicate endpoint address {address!r} (also {seen[address]})"))
-        seen.setdefault(address, path)
-        if not is_ip(endpoint.host_port.host):
-            problems.append((f"{path}.address", f"expected an IP address (EDS endpoints are "
-                                                f"IPs), got {endpoint.host_port.host!r}"))
+                             f"duplicate endpoint address {address!r} (also {seen[key]})"))
+        seen.setdefault(key, path)
+        host = endpoint.host_port.host
+        if not is_ip(host):
+            problem = hostname_problem(host)
+            if problem is not None:
+                problems.append((f"{path}.address", f"expected an IP address or a DNS host "
+                                                    f"name, got {host[:64]!r}: {problem}"))
+            else:
+                problems += _named_url_checks(path, endpoint)
         unroutable = unroutable_reason(endpoint.host_port.host, allow_loopback=True)
         if unroutable is not None:
             problems.append((f"{path}.address", f"{address!r}: {unroutable}"))
     return problems
+
+
+def endpoint_name(host: str) -> str | None:
+    """The DNS name an endpoint host is resolved by (lower case, no final dot), or None for
+    an IP."""
+    return None if is_ip(host) else host.rstrip(".").lower()
+
+
+def _named_url_checks(path: str, endpoint: EndpointConfig) -> Problems:
+    """A named endpoint's metrics page is read at each address the name resolves to, so its
+    `metrics_url` (when given) must name the same host: one page for several addresses would
+    give each of them the same reading."""
+    name = endpoint_name(endpoint.host_port.host)
+    url = endpoint.metrics_url
+    if url is None or name is None:
+        return []
+    host = (urlsplit(url).hostname or "").rstrip(".").lower()
+    if host == name:
+        return []
+    return [(f"{path}.metrics_url", f"an endpoint addressed by DNS name ({name!r}) is scraped "
+                                    f"at each address the name resolves to: its metrics_url "
+                                    f"must name the same host, got {host[:64]!r}")]
+
+
+def _dns_name_checks(config: Config) -> Problems:
+    """At most `discovery.dns.max_names` distinct endpoint host names in the whole config."""
+    names = {name for p_index, pool in enumerate(config.pools)
+             for _, endpoint in _endpoint_paths(p_index, pool)
+             if (name := endpoint_name(endpoint.host_port.host)) is not None}
+    limit = config.discovery.dns.max_names
+    if len(names) <= limit:
+        return []
+    return [("discovery.dns.max_names", f"the endpoints name {len(names)} distinct DNS hosts; "
+                                        f"at most {limit} are resolved")]
 
 
 def _class_checks(p_index: int, pool: PoolConfig, names: set[str]) -> Problems:

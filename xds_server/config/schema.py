@@ -317,6 +317,32 @@ class NodesConfig(Model):
         return self
 
 
+class DnsDiscoveryConfig(Model):
+    """Endpoints addressed by DNS name: how they are resolved (xds_server/control/discovery/dns.py)."""
+
+    refresh_seconds: float = Field(30.0, ge=1, le=86_400)   # each name re-resolved this often
+    retry_seconds: float = Field(5.0, gt=0, le=3600)        # a failed name: min(this, refresh)
+    timeout_seconds: float = Field(2.0, gt=0, le=30)        # one lookup, queueing included
+    stale_seconds: float = Field(300.0, ge=0, le=86_400)    # last good addresses kept on failure
+    max_names: int = Field(256, ge=1, le=10_000)            # distinct names in a config
+    max_addresses_per_name: int = Field(64, ge=1, le=1024)  # more: the first N, sorted, kept
+    max_concurrent_lookups: int = Field(4, ge=1, le=64)     # resolver threads
+    family: Literal["any", "ipv4", "ipv6"] = "any"
+
+    @model_validator(mode="after")
+    def _timeout_below_refresh(self) -> DnsDiscoveryConfig:
+        if self.timeout_seconds >= self.refresh_seconds:
+            raise ValueError(f"timeout_seconds ({self.timeout_seconds}) must be below "
+                             f"refresh_seconds ({self.refresh_seconds})")
+        return self
+
+
+class DiscoverySettingsConfig(Model):
+    """Discovery settings shared by every pool (a pool's own `discovery` picks its source)."""
+
+    dns: DnsDiscoveryConfig = DnsDiscoveryConfig()
+
+
 class Config(Model):
     xds: XdsConfig = XdsConfig()
     admin: AdminConfig = AdminConfig()
@@ -328,6 +354,7 @@ class Config(Model):
     keda: KedaConfig = KedaConfig()
     nodes: NodesConfig | None = None  # absent: every node sees every pool
     classifier: ClassifierConfig | None = None  # intent tiers (`trimtab classify`)
+    discovery: DiscoverySettingsConfig = DiscoverySettingsConfig()  # endpoints by DNS name
     pools: list[PoolConfig] = Field(min_length=1)
 
     def pool(self, name: str) -> PoolConfig:

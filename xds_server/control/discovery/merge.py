@@ -1,18 +1,30 @@
-"""Pools whose endpoints come from Kubernetes EndpointSlices.
+"""Discovered endpoints merged into the config: Kubernetes EndpointSlices and DNS names.
 
-Each watcher hands over the latest endpoint set (level-based); the pool's endpoints in the
-effective config are replaced by it and the controller re-applies the config, so everything
-downstream (telemetry, weights, EDS) sees ordinary endpoints. Ready endpoints are HEALTHY;
+Each EndpointSlice watcher hands over the latest endpoint set (level-based); the pool's
+endpoints in the effective config are replaced by it. Ready endpoints are HEALTHY;
 terminating-but-serving ones are drained (DRAINING); not-serving ones are left out.
+
+Endpoints addressed by DNS name become one endpoint per address the name resolves to now
+(:mod:`.dns`; none while it has none). Either kind of change hands the effective config to
+``on_change`` (``controller.reconcile`` in ``trimtab serve``), so everything downstream
+(telemetry, weights, EDS) sees ordinary ``IP:port`` endpoints, through one reconcile path.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
+from xds_server.config.addresses import is_ip
 from xds_server.config.pools import EndpointConfig, PoolConfig
 from xds_server.config.schema import Config
+from xds_server.control.discovery.dns import (
+    DnsResolver,
+    Resolved,
+    config_names,
+    resolved_endpoints,
+)
 from xds_server.control.discovery.kubernetes import (
     EndpointSet,
     EndpointSliceWatcher,
@@ -24,13 +36,40 @@ from xds_server.envoy.clusters import DRAINING
 log = logging.getLogger("trimtab.discovery")
 
 
-def effective_config(base: Config, discovered: dict[str, EndpointSet]) -> Config:
-    """`base` with every discovering pool's endpoints replaced by what was discovered."""
+def _expanded(endpoints: list[EndpointConfig], resolved: Resolved) -> list[EndpointConfig]:
+    """Each named endpoint as its addresses; an address met twice in one cluster (a name
+    resolving to an IP also listed) appears once, as first met."""
+    out: list[EndpointConfig] = []
+    seen: set[str] = set()
+    for endpoint in endpoints:
+        for each in resolved_endpoints(endpoint, resolved):
+            if each.address not in seen:
+                seen.add(each.address)
+                out.append(each)
+    return out
+
+
+def _resolved_pool(pool: PoolConfig, resolved: Resolved) -> PoolConfig:
+    if all(is_ip(ep.host_port.host) for ep in pool.all_endpoints()):
+        return pool  # the same object: nothing to resolve
+    if pool.versions is None:
+        return pool.model_copy(update={"endpoints": _expanded(pool.endpoints, resolved)})
+    versions = {name: version.model_copy(update={"endpoints": _expanded(version.endpoints,
+                                                                          resolved)})
+                for name, version in pool.versions.items()}
+    return pool.model_copy(update={"versions": versions})
+
+
+def effective_config(base: Config, discovered: dict[str, EndpointSet],
+                     resolved: Resolved | None = None) -> Config:
+    """`base` with every discovering pool's endpoints replaced by what was discovered, and
+    every endpoint addressed by DNS name replaced by one endpoint per address in `resolved`
+    (name -> IPs; a name missing there has no endpoint)."""
     pools = []
     for pool in base.pools:
         found = discovered.get(pool.name)
         if pool.discovery is None or found is None:
-            pools.append(pool)
+            pools.append(_resolved_pool(pool, resolved or {}))
             continue
         endpoints = [EndpointConfig(address=ep.address, drain=ep.health == DRAINING)
                      for ep in found if ep.health is not None]
@@ -39,17 +78,52 @@ def effective_config(base: Config, discovered: dict[str, EndpointSet]) -> Config
 
 
 class Discovery:
-    def __init__(self, on_change: Callable[[Config], None]) -> None:
+    """The discovery sources of one config: an EndpointSlice watcher per discovering pool and
+    the DNS resolver of its endpoint host names. Every change calls ``on_change`` with the
+    effective config. The DNS cache outlives :meth:`close` (a reload keeps it)."""
+
+    def __init__(self, on_change: Callable[[Config], None],
+                 dns: DnsResolver | None = None) -> None:
         self.on_change = on_change
         self.discovered: dict[str, EndpointSet] = {}
         self.watchers: list[EndpointSliceWatcher] = []
         self.base: Config | None = None
+        self.dns = dns or DnsResolver()
+        self._dns_task: asyncio.Task[None] | None = None
+        self._dns_first_pass = asyncio.Event()
 
     def start(self, base: Config) -> None:
+        """Start watching (from the running loop). With DNS names, their resolution starts
+        at once; :meth:`dns_settled` waits for its first round."""
         self.base = base
         for pool in base.pools:
             if pool.discovery is not None:
                 self.watchers.append(self._watch(pool))
+        names = config_names(base)
+        self.dns.configure(base.discovery.dns)
+        self._dns_first_pass = asyncio.Event()
+        if names:
+            log.info("resolving %d endpoint host names every %gs", len(names),
+                     base.discovery.dns.refresh_seconds)
+            self._dns_task = asyncio.get_running_loop().create_task(
+                self.dns.run(names, self._dns_changed, self._dns_first_pass),
+                name="trimtab-dns")
+        else:
+            self._dns_first_pass.set()
+
+    async def dns_settled(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` seconds) for the first round of DNS lookups; True when
+        it is done (or there are no names)."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._dns_first_pass.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    def _dns_changed(self) -> None:
+        if self.base is not None:
+            self.on_change(self.effective(self.base))
 
     def _watch(self, pool: PoolConfig) -> EndpointSliceWatcher:
         assert pool.discovery is not None
@@ -67,12 +141,19 @@ class Discovery:
         self.discovered[pool] = found
         log.info("pool %s: %d endpoints discovered", pool, len(found))
         if self.base is not None:
-            self.on_change(effective_config(self.base, self.discovered))
+            self.on_change(self.effective(self.base))
 
     def effective(self, base: Config) -> Config:
-        return effective_config(base, self.discovered)
+        return effective_config(base, self.discovered, self.dns.resolved())
 
     async def close(self) -> None:
+        if self._dns_task is not None:
+            task, self._dns_task = self._dns_task, None
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
         for watcher in self.watchers:
             await watcher.aclose()
         self.watchers.clear()
