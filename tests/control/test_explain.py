@@ -10,7 +10,9 @@ import pytest
 from aiohttp import web
 
 from xds_server.config.load import parse_config
-from xds_server.control.explain import collect_rows, explain
+from xds_server.control.controller import Controller
+from xds_server.control.explain import collect_rows, explain, explain_rows, render_table
+from xds_server.xds.cache import SnapshotCache
 
 STATIC = parse_config({
     "telemetry": {"source": "static"},
@@ -22,30 +24,68 @@ STATIC = parse_config({
         {"address": "10.0.2.3:80", "signals": {"kv_usage": -0.5, "queue": 16}},
     ]}],
 })
-COLUMNS = ["pool", "cluster", "endpoint", "locality", "weight", "health", "stale", "capacity",
-           "capacity_tokens", "inputs", "normalised", "shares", "reason"]
+COMPOSITE_COLUMNS = ["endpoint", "locality", "weight", "health", "capacity", "kv cap",
+                     "normalised", "headroom", "reason"]
+QUEUEING_COLUMNS = ["endpoint", "locality", "weight", "health", "kv", "queue", "run", "tok/s",
+                    "wait s", "kv cap", "reason"]
+
+
+def _sections(text: str) -> tuple[dict[str, tuple[str, list[str], dict[str, list[str]]]],
+                                  list[str]]:
+    """({cluster heading: (heading, header, endpoint -> cells)}, notes); cells are split on
+    runs of 2+ spaces and a reason wrapped onto continuation lines is joined again."""
+    sections: dict[str, tuple[str, list[str], dict[str, list[str]]]] = {}
+    notes: list[str] = []
+    rows: dict[str, list[str]] = {}
+    last: list[str] | None = None
+    for line in text.splitlines():
+        if line.startswith("note: "):
+            notes.append(line[len("note: "):])
+            last = None
+        elif line.startswith("      ") and notes and last is None:
+            notes[-1] += " " + line.strip()
+        elif line.startswith("pool "):
+            rows = {}
+            sections[line] = (line, [], rows)
+        elif line.startswith(" ") and last is not None:
+            _, header, _ = sections[list(sections)[-1]]
+            if len(last) < len(header):  # the reason on lines of its own under the row
+                last.append(line.strip())
+            else:
+                last[-1] += " " + line.strip()
+        elif line.strip():
+            cells = [c.strip() for c in line.split("  ") if c.strip()]
+            _, header, _ = sections[list(sections)[-1]]
+            if not header:
+                header.extend(cells)
+            else:
+                rows[cells[0]] = last = cells
+    return sections, notes
 
 
 def _table(text: str) -> tuple[list[str], dict[str, list[str]], list[str]]:
-    """(header, endpoint -> cells, notes); cells are split on runs of 2+ spaces."""
-    lines = text.splitlines()
-    notes = [line for line in lines if line.startswith("note: ")]
-    cells = [[c.strip() for c in line.split("  ") if c.strip()]
-             for line in lines if not line.startswith("note: ")]
-    return cells[0], {row[2]: row for row in cells[1:]}, notes
+    """(header, endpoint -> cells, notes) of a one-cluster table."""
+    sections, notes = _sections(text)
+    [(_, header, rows)] = sections.values()
+    return header, rows, notes
 
 
 def test_static_table_shows_relative_and_token_capacity_side_by_side() -> None:
-    header, rows, notes = _table(explain(STATIC))
-    assert header == COLUMNS and notes == []  # no ITL histogram: one read, nothing to note
+    text = explain(STATIC)
+    assert text.splitlines()[0] == "pool s: policy composite, lb least_request"
+    header, rows, notes = _table(text)
+    assert header == COMPOSITE_COLUMNS and notes == []  # no ITL histogram: nothing to note
     big, small = rows["10.0.2.1:80"], rows["10.0.2.2:80"]
-    at = {name: i for i, name in enumerate(COLUMNS)}
-    assert (big[at["weight"]], big[at["capacity"]], big[at["capacity_tokens"]]) == \
-        ("62", "1", "2e+04")
-    assert (small[at["weight"]], small[at["capacity"]], small[at["capacity_tokens"]]) == \
-        ("45", "0.5", "1e+04")
-    assert big[at["normalised"]] == "memory=0.5 queue=0.25"
-    assert big[at["shares"]] == "memory=0.267 queue=0.35"
+    at = {name: i for i, name in enumerate(COMPOSITE_COLUMNS)}
+    assert (big[at["weight"]], big[at["capacity"]], big[at["kv cap"]]) == ("62", "1", "20k")
+    assert (small[at["weight"]], small[at["capacity"]], small[at["kv cap"]]) == \
+        ("45", "0.5", "10k")
+    assert big[at["normalised"]] == "mem=0.5 q=0.25"
+    assert big[at["headroom"]] == "0.617"
+    # a long reason wraps in its column and reads whole again
+    assert rows["10.0.2.3:80"][at["reason"]].startswith("degraded: kv_usage 1 >= 0.95; input")
+    assert rows["10.0.2.3:80"][at["reason"]].endswith("counted as saturated until it is "
+                                                      "valid again")
 
 
 def test_static_json_rows_flag_rejected_inputs() -> None:
@@ -127,3 +167,91 @@ def test_the_weights_command_prints_json_rows(tmp_path, capsys) -> None:
     assert main(["weights", "--config", str(path), "--json", "--sample-interval", "0"]) == 0
     rows = {row["endpoint"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["10.0.2.1:80"]["weight"] < rows["10.0.2.2:80"]["weight"]
+
+
+# -- `trimtab weights` fits 120 columns -----------------------------------------------------------
+
+def _realistic_controller() -> Controller:
+    """The default policy (queueing, capacity tiers as localities) on a heterogeneous fleet
+    after a few ticks of vLLM pages (the golden recording's): H100/A100/L4-sized KV caches,
+    queues, measured service rates; a long pool name, IPv6 endpoints and a canary pool."""
+    from tests.test_golden_xds import INTERVAL, START, PageScraper, fleet_pages
+
+    config = parse_config({"pools": [
+        {"name": "llama3-70b-instruct-prod", "model": "meta-llama/Llama-3.1-70B-Instruct",
+         "long_context": "auto",
+         "endpoints": [{"address": f"10.100.{i}.{j}:8000"} for i in range(3) for j in range(1, 4)]
+         + [{"address": "[2001:db8:ffff:1234::a1]:8000"}]},
+        {"name": "qwen", "model": "qwen", "lb_policy": "round_robin",
+         "versions": {"stable": {"endpoints": [{"address": "10.2.0.1:8000"},
+                                               {"address": "10.2.0.2:8000"}]},
+                      "canary": {"endpoints": [{"address": "10.2.1.1:8000"}]}},
+         "rollout": {"start_percent": 10}},
+    ]})
+    clock = [START]
+    pages: list[dict[str, str]] = [{}]
+    scraper = PageScraper(lambda: pages[0])
+    controller = Controller(config, SnapshotCache(), scraper=scraper, clock=lambda: clock[0])
+
+    async def ticks() -> None:
+        try:
+            for tick in range(6):
+                pages[0] = fleet_pages(config, tick)
+                await controller.tick()
+                clock[0] += INTERVAL
+        finally:
+            await controller.close()
+            await scraper.close()
+
+    asyncio.run(ticks())
+    return controller
+
+
+def test_the_table_fits_120_columns_and_keeps_the_columns_the_policy_weighs_by() -> None:
+    rows = explain_rows(_realistic_controller())
+    note = ("latency (itl_ms) is the mean ITL between two reads 1s apart; an endpoint that "
+            "produced no tokens in between shows none")
+    text = render_table(rows, [note])
+    too_wide = [line for line in text.splitlines() if len(line) > 120]
+    assert too_wide == []
+    sections, notes = _sections(text)
+    assert notes == [note]  # wrapped, not cut
+    assert list(sections) == [
+        "pool llama3-70b-instruct-prod: policy queueing, lb least_request",
+        "pool qwen: policy queueing, lb round_robin",
+        "pool qwen, cluster qwen-canary: policy queueing, lb round_robin"]
+    big = sections[list(sections)[0]]
+    assert big[1] == QUEUEING_COLUMNS  # no composite-only or per-pool repeated columns
+    assert set(big[2]) == {row["endpoint"] for row in rows
+                           if row["cluster"] == "llama3-70b-instruct-prod"}
+    at = {name: i for i, name in enumerate(QUEUEING_COLUMNS)}
+    by_row = {row["endpoint"]: row for row in rows}
+    for endpoint, cells in big[2].items():
+        row = by_row[endpoint]
+        assert len(cells) == len(QUEUEING_COLUMNS), cells
+        assert cells[at["weight"]] == str(row["weight"])
+        assert cells[at["health"]] == row["health"]
+        assert cells[at["locality"]] == row["locality"]  # the capacity tier and its weight
+        assert cells[at["reason"]] == row["reason"]  # wrapped in its column, never cut
+    # the tiers show, and so do the estimates the queueing policy weighs by
+    assert len({cells[at["locality"]] for cells in big[2].values()}) >= 3
+    assert all(cells[at["tok/s"]] != "-" and cells[at["wait s"]] != "-"
+               for cells in big[2].values())
+    assert any(row["service_rate"] > 1000 for row in rows)  # shown as 2.7k, not 2.7e+03
+    assert not any("e+" in line for line in text.splitlines())
+
+
+def test_a_narrow_table_puts_the_reason_under_the_row_rather_than_overflowing() -> None:
+    rows = [{"pool": "p", "cluster": "p", "endpoint": "10.0.0.1:80", "policy": "gpu_memory",
+             "lb_policy": "round_robin", "locality": None, "weight": 50, "health": "HEALTHY",
+             "stale": True, "inputs": {"gpu_mem_pct": 99.0},
+             "reason": "fail-static: " + "every read failed " * 10}]
+    text = render_table(rows, width=70)
+    lines = text.splitlines()
+    assert max(map(len, lines)) <= 70
+    assert lines[1].split() == ["endpoint", "locality", "weight", "health", "gpu", "mem", "%",
+                                "reason"]
+    assert lines[2].split() == ["10.0.0.1:80", "-", "50", "HEALTHY", "stale", "99"]
+    assert lines[3].startswith("    fail-static: every read failed")
+    [(_, _, parsed)] = _sections(text)[0].values()
+    assert parsed["10.0.0.1:80"][-1] == rows[0]["reason"].strip()
