@@ -32,7 +32,7 @@ def _demo(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 def test_default_layout_uses_the_documented_files(tmp_path: Path) -> None:
     layout = prepare_layout(_args(), tmp_path)
-    assert layout.config_path == DEFAULT_CONFIG  # `trimtab serve --config examples/local.yaml`
+    assert layout.config_path == DEFAULT_CONFIG  # examples/local-fake-gpus.yaml
     assert (layout.backends, layout.xds, layout.admin, layout.listener, layout.envoy_admin) == (
         [8001, 8002, 8003], 18000, 19100, 10000, 9901)
     assert list(tmp_path.iterdir()) == []

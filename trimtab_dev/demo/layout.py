@@ -1,5 +1,5 @@
-"""The small demo's files and ports: examples/local.yaml and envoy-bootstrap.yaml as they
-are, or patched copies when a port is overridden, and a check that every port is free."""
+"""The small demo's files and ports: examples/local-fake-gpus.yaml and envoy-bootstrap.yaml as
+they are, or patched copies when a port is overridden, and a check that every port is free."""
 
 from __future__ import annotations
 

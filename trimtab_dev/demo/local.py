@@ -1,7 +1,8 @@
 """`python -m trimtab_dev.demo.local`: trimtab steering a real Envoy, on this machine.
 
 Starts three fake GPU backends whose framebuffer use drifts, `trimtab serve` on
-examples/local.yaml and Envoy on envoy-bootstrap.yaml, sends traffic for the example's model
+examples/local-fake-gpus.yaml (examples/local.yaml weighing by GPU memory, with round robin,
+as fake backends that serve only DCGM gauges need) and Envoy on envoy-bootstrap.yaml, sends traffic for the example's model
 through Envoy's listener, prints the weights every tick and the observed traffic split, and
 stops everything it started (also on Ctrl-C). Ports come from those two files; every one can
 be overridden (``--backend-ports``, ``--xds-port``, ...), which makes patched copies of them.
@@ -34,7 +35,7 @@ from trimtab_dev.demo.layout import DemoError, Layout, check_ports_free, prepare
 from trimtab_dev.envoy_process import EnvoyError, EnvoyProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_CONFIG = ROOT / "examples" / "local.yaml"
+DEFAULT_CONFIG = ROOT / "examples" / "local-fake-gpus.yaml"
 DEFAULT_BOOTSTRAP = ROOT / "envoy-bootstrap.yaml"
 READY_TIMEOUT_S = 20.0
 DRIFT_PERIOD_S = 30.0
