@@ -1,13 +1,22 @@
-"""A small in-process fake Kubernetes API server for EndpointSlice list+watch.
+"""A small in-process fake Kubernetes API server for list+watch of EndpointSlices, Pods and
+Gateway API Inference Extension InferencePools.
 
-It speaks the real wire shapes of ``GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices``:
-a list returns an ``EndpointSliceList``; ``?watch=true`` streams newline-delimited JSON events
+It speaks the real wire shapes of ``GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices``,
+``GET /api/v1/namespaces/{ns}/pods`` and the custom-object collection
+``GET /apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`` (:data:`WATCHED`):
+a list returns an ``EndpointSliceList`` / ``PodList`` / ``InferencePoolList``, filtered by
+``labelSelector`` (equality terms) and ``fieldSelector`` (``metadata.name`` and
+``metadata.namespace``); ``?watch=true`` streams newline-delimited JSON events
 (``ADDED|MODIFIED|DELETED|BOOKMARK|ERROR``) with chunked transfer, replaying the history after
-the requested ``resourceVersion``. Runs in a background thread with its own asyncio loop; every
-control method is thread-safe (it runs on that loop). Test knobs:
+the requested ``resourceVersion``. One resourceVersion counter serves every resource, as etcd's
+does. Runs in a background thread with its own asyncio loop; every control method is
+thread-safe (it runs on that loop). Test knobs:
 
-- :meth:`FakeKube.apply` / :meth:`FakeKube.delete` change slices at run time;
-- :meth:`FakeKube.bookmark` bumps the resourceVersion and sends a BOOKMARK;
+- :meth:`FakeKube.apply` / :meth:`FakeKube.delete` change objects at run time (the resource is
+  the object's ``kind``); ``apply`` of an object carrying ``metadata.resourceVersion`` is a
+  replace with that precondition, refused with :class:`Conflict` (nothing stored, no event)
+  when another write came first;
+- :meth:`FakeKube.bookmark` bumps the resourceVersion and sends a BOOKMARK (to every watch);
 - :meth:`FakeKube.compact` makes older resourceVersions "too old" (410 Gone, as an HTTP 410
   Status response or as an ERROR event in a 200 stream);
 - :meth:`FakeKube.expire_watches` sends an ERROR 410 event to open watches;
@@ -47,9 +56,18 @@ from aiohttp import web
 
 API_VERSION = "discovery.k8s.io/v1"
 SERVICE_LABEL = "kubernetes.io/service-name"
+INFERENCE_API_VERSION = "inference.networking.k8s.io/v1"
 GoneForm = Literal["http", "event"]
 _POLL_S = 0.05  # how often an idle watch checks for a departed client
 _PATH = "/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+# watchable resource -> (collection path, apiVersion, kind)
+WATCHED = {
+    "endpointslices": (_PATH, API_VERSION, "EndpointSlice"),
+    "pods": ("/api/v1/namespaces/{namespace}/pods", "v1", "Pod"),
+    "inferencepools": ("/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools",
+                       INFERENCE_API_VERSION, "InferencePool"),
+}
+_RESOURCE_OF_KIND = {kind: resource for resource, (_p, _v, kind) in WATCHED.items()}
 # resource -> (collection path, apiVersion, kind, group for Status details)
 OBJECT_RESOURCES = {
     "leases": ("/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases",
@@ -74,6 +92,15 @@ class ObjectRecord:
     status: int = 0  # what the fake answered (0 while held / never answered)
 
 
+class Conflict(Exception):
+    """An :meth:`FakeKube.apply` whose ``metadata.resourceVersion`` precondition failed: the
+    409 ``Conflict`` the API server answers such a replace (nothing was stored)."""
+
+    def __init__(self, status: dict[str, Any]) -> None:
+        super().__init__(status["message"])
+        self.status = status
+
+
 @dataclass(frozen=True)
 class RequestRecord:
     """One list or watch request as the fake saw it."""
@@ -84,6 +111,8 @@ class RequestRecord:
     resource_version: str | None
     allow_bookmarks: bool
     timeout_seconds: int | None
+    resource: str = "endpointslices"
+    field_selector: str | None = None
 
 
 @dataclass
@@ -92,6 +121,8 @@ class _Event:
     type: str
     namespace: str | None  # None: a BOOKMARK, for every watcher
     obj: dict[str, Any]
+    resource: str | None = None  # None: a BOOKMARK
+    previous: dict[str, Any] | None = None  # MODIFIED: the object it replaced
 
 
 @dataclass(eq=False)
@@ -101,6 +132,8 @@ class _Watcher:
     bookmarks: bool
     cursor: int
     command: Literal["", "expire", "drop"] = ""
+    resource: str = "endpointslices"
+    fields: dict[str, str] = field(default_factory=dict)
 
 
 def endpoint_slice(name: str, service: str, endpoints: list[dict[str, Any]],
@@ -134,6 +167,51 @@ def endpoint(address: str, *, ready: bool | None = True, serving: bool | None = 
     return entry
 
 
+def pod(name: str, ip: str | None, labels: dict[str, str], *, ready: bool | None = True,
+        phase: str = "Running", deleting: bool = False, node: str = "node-1",
+        namespace: str = "default") -> dict[str, Any]:
+    """A Pod as the API serves it (the fields discovery reads, and the usual others).
+    ``ready`` None leaves the Ready condition out (a pod not yet scheduled); ``deleting`` sets
+    ``metadata.deletionTimestamp`` (terminating); ``ip`` None: no IP assigned yet."""
+    conditions = [{"type": "PodScheduled", "status": "True",
+                   "lastTransitionTime": "2025-01-01T00:00:00Z"}]
+    if ready is not None:
+        for kind in ("Initialized", "ContainersReady", "Ready"):
+            conditions.append({"type": kind, "status": "True" if ready or kind == "Initialized"
+                               else "False", "lastTransitionTime": "2025-01-01T00:00:00Z"})
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels),
+                                "uid": str(uuid.uuid5(uuid.NAMESPACE_DNS, f"{namespace}/{name}")),
+                                "creationTimestamp": "2025-01-01T00:00:00Z"}
+    if deleting:
+        metadata["deletionTimestamp"] = "2025-01-01T00:10:00Z"
+        metadata["deletionGracePeriodSeconds"] = 30
+    status: dict[str, Any] = {"phase": phase, "conditions": conditions,
+                              "hostIP": "192.0.2.10", "qosClass": "Burstable"}
+    if ip is not None:
+        status["podIP"] = ip
+        status["podIPs"] = [{"ip": ip}]
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": metadata,
+            "spec": {"nodeName": node, "containers": [
+                {"name": "vllm", "image": "vllm/vllm-openai:latest",
+                 "ports": [{"containerPort": 8000, "name": "http", "protocol": "TCP"}]}]},
+            "status": status}
+
+
+def inference_pool(name: str, match_labels: dict[str, str], target_ports: list[int], *,
+                   namespace: str = "default", epp: str = "vllm-epp",
+                   spec: dict[str, Any] | None = None) -> dict[str, Any]:
+    """An ``inference.networking.k8s.io/v1`` InferencePool as the API serves it: ``spec.selector
+    .matchLabels``, ``spec.targetPorts[].number`` and the required ``endpointPickerRef``;
+    ``spec`` replaces the whole spec (shapes the v1 schema would refuse, for tests)."""
+    return {"kind": "InferencePool", "apiVersion": INFERENCE_API_VERSION,
+            "metadata": {"name": name, "namespace": namespace, "generation": 1},
+            "spec": spec if spec is not None else {
+                "selector": {"matchLabels": dict(match_labels)},
+                "targetPorts": [{"number": number} for number in target_ports],
+                "endpointPickerRef": {"name": epp, "port": {"number": 9002},
+                                      "failureMode": "FailClose"}}}
+
+
 def status_object(code: int, reason: str, message: str) -> dict[str, Any]:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
             "message": message, "reason": reason, "code": code}
@@ -147,9 +225,25 @@ def _parse_selector(text: str | None) -> dict[str, str]:
     return selector
 
 
-def _matches(obj: dict[str, Any], selector: dict[str, str]) -> bool:
-    labels = obj.get("metadata", {}).get("labels") or {}
-    return all(labels.get(key) == value for key, value in selector.items())
+def _matches(obj: dict[str, Any], selector: dict[str, str],
+             fields: dict[str, str] | None = None) -> bool:
+    metadata = obj.get("metadata", {})
+    labels = metadata.get("labels") or {}
+    return (all(labels.get(key) == value for key, value in selector.items())
+            and all(metadata.get(key.removeprefix("metadata.")) == value
+                    for key, value in (fields or {}).items()))
+
+
+def _as_seen(event: _Event, watcher: _Watcher) -> str | None:
+    """The event type a watch with selectors sees, as the API server's watch cache filters:
+    a MODIFIED object that stops matching is DELETED for it, one that starts matching ADDED."""
+    now = _matches(event.obj, watcher.selector, watcher.fields)
+    if event.type != "MODIFIED" or event.previous is None:
+        return event.type if now else None
+    before = _matches(event.previous, watcher.selector, watcher.fields)
+    if now:
+        return "MODIFIED" if before else "ADDED"
+    return "DELETED" if before else None
 
 
 def _line(event_type: str, obj: dict[str, Any]) -> bytes:
@@ -165,10 +259,11 @@ class FakeKube:
     gone_form: GoneForm = field(default="http", init=False)
     _rv: int = field(default=100, init=False)
     _compacted_rv: int = field(default=0, init=False)
-    _slices: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict, init=False)
+    _stored: dict[tuple[str, str, str], dict[str, Any]] = field(default_factory=dict,
+                                                                init=False)  # (resource, ns, name)
     _history: list[_Event] = field(default_factory=list, init=False)
     _watchers: set[_Watcher] = field(default_factory=set, init=False)
-    _failures: list[tuple[str, int]] = field(default_factory=list, init=False)
+    _failures: list[tuple[str, int, str | None]] = field(default_factory=list, init=False)
     _changed: asyncio.Event | None = field(default=None, init=False, repr=False)
     _loop: asyncio.AbstractEventLoop | None = field(default=None, init=False, repr=False)
     _thread: threading.Thread | None = field(default=None, init=False, repr=False)
@@ -225,7 +320,8 @@ class FakeKube:
     async def _start(self) -> None:
         self._changed = asyncio.Event()
         app = web.Application()
-        app.router.add_get(_PATH, self._handle)
+        for resource, (path, *_rest) in WATCHED.items():
+            app.router.add_get(path, self._list_watch_handler(resource))
         for resource, (path, *_rest) in OBJECT_RESOURCES.items():
             collection = path
             app.router.add_post(collection, self._object_handler(resource, "create"))
@@ -246,11 +342,14 @@ class FakeKube:
     # -- controls (thread-safe) ----------------------------------------------
 
     def apply(self, obj: dict[str, Any]) -> str:
-        """Create or replace a slice (ADDED or MODIFIED); returns its new resourceVersion."""
+        """Create or replace an object of a :data:`WATCHED` kind (``kind`` absent: an
+        EndpointSlice) — ADDED or MODIFIED; returns its new resourceVersion. With
+        ``metadata.resourceVersion`` set it is a replace on that precondition: raises
+        :class:`Conflict` if the stored object has another (or none)."""
         return self._call(self._mutate(obj, deleted=False))
 
-    def delete(self, name: str, namespace: str = "default") -> str:
-        obj = {"metadata": {"name": name, "namespace": namespace}}
+    def delete(self, name: str, namespace: str = "default", kind: str = "EndpointSlice") -> str:
+        obj = {"kind": kind, "metadata": {"name": name, "namespace": namespace}}
         return self._call(self._mutate(obj, deleted=True))
 
     def bookmark(self) -> str:
@@ -270,9 +369,11 @@ class FakeKube:
         """Open watch connections are cut mid-stream (no terminating chunk)."""
         self._call(self._command("drop"))
 
-    def fail_next(self, kind: Literal["list", "watch"], status: int = 500, count: int = 1) -> None:
-        """The next ``count`` requests of ``kind`` are answered with an HTTP error Status."""
-        self._call(self._add_failures([(kind, status)] * count))
+    def fail_next(self, kind: Literal["list", "watch"], status: int = 500, count: int = 1,
+                  resource: str | None = None) -> None:
+        """The next ``count`` requests of ``kind`` (on ``resource``; None: on any) are
+        answered with an HTTP error Status."""
+        self._call(self._add_failures([(kind, status, resource)] * count))
 
     def clear_failures(self) -> None:
         self._call(self._clear_failures())
@@ -322,8 +423,10 @@ class FakeKube:
     def open_watches(self) -> int:
         return self._call(self._count_watchers())
 
-    def records(self, kind: Literal["list", "watch"]) -> list[RequestRecord]:
-        return [record for record in list(self.requests) if record.kind == kind]
+    def records(self, kind: Literal["list", "watch"], resource: str | None = None
+                ) -> list[RequestRecord]:
+        return [record for record in list(self.requests) if record.kind == kind
+                and (resource is None or record.resource == resource)]
 
     # -- loop side -------------------------------------------------------------
 
@@ -334,25 +437,35 @@ class FakeKube:
 
     async def _mutate(self, obj: dict[str, Any], *, deleted: bool) -> str:
         meta = obj["metadata"]
-        key = (meta.get("namespace", "default"), meta["name"])
+        resource = _RESOURCE_OF_KIND[obj.get("kind", "EndpointSlice")]
+        key = (resource, meta.get("namespace", "default"), meta["name"])
+        held = self._stored.get(key)
+        expected = meta.get("resourceVersion")
+        if expected is not None and not deleted and (
+                held is None or held["metadata"]["resourceVersion"] != expected):
+            kind = WATCHED[resource][2]
+            raise Conflict(status_object(
+                409, "Conflict", f'Operation cannot be fulfilled on {resource} "{meta["name"]}": '
+                "the object has been modified; please apply your changes to the latest version "
+                "and try again") | {"details": {"name": meta["name"], "kind": kind}})
         self._rv += 1
         if deleted:
-            stored = self._slices.pop(key)
+            stored = self._stored.pop(key)
             event_type = "DELETED"
         else:
-            event_type = "MODIFIED" if key in self._slices else "ADDED"
+            event_type = "MODIFIED" if held is not None else "ADDED"
             stored = json.loads(json.dumps(obj))
         stored = {**stored, "metadata": {**stored["metadata"], "resourceVersion": str(self._rv)}}
         if not deleted:
-            self._slices[key] = stored
-        self._history.append(_Event(self._rv, event_type, key[0], stored))
+            self._stored[key] = stored
+        self._history.append(_Event(self._rv, event_type, key[1], stored, resource,
+                                    held if event_type == "MODIFIED" else None))
         self._notify()
         return str(self._rv)
 
     async def _bookmark(self) -> str:
         self._rv += 1
-        obj = {"kind": "EndpointSlice", "apiVersion": API_VERSION,
-               "metadata": {"resourceVersion": str(self._rv)}}
+        obj = {"metadata": {"resourceVersion": str(self._rv)}}  # kind: the watcher's
         self._history.append(_Event(self._rv, "BOOKMARK", None, obj))
         self._notify()
         return str(self._rv)
@@ -365,7 +478,7 @@ class FakeKube:
             watcher.command = command
         self._notify()
 
-    async def _add_failures(self, failures: list[tuple[str, int]]) -> None:
+    async def _add_failures(self, failures: list[tuple[str, int, str | None]]) -> None:
         self._failures.extend(failures)
 
     async def _clear_failures(self) -> None:
@@ -412,9 +525,9 @@ class FakeKube:
                 return item[2]
         return None
 
-    def _take_failure(self, kind: str) -> int | None:
-        for index, (failing_kind, status) in enumerate(self._failures):
-            if failing_kind == kind:
+    def _take_failure(self, kind: str, resource: str) -> int | None:
+        for index, (failing_kind, status, failing) in enumerate(self._failures):
+            if failing_kind == kind and failing in (None, resource):
                 del self._failures[index]
                 return status
         return None
@@ -526,7 +639,13 @@ class FakeKube:
 
     # -- HTTP ------------------------------------------------------------------
 
-    async def _handle(self, request: web.Request) -> web.StreamResponse:
+    def _list_watch_handler(self, resource: str
+                            ) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            return await self._handle(request, resource)
+        return handle
+
+    async def _handle(self, request: web.Request, resource: str) -> web.StreamResponse:
         query = request.query
         watch = query.get("watch", "").lower() in ("true", "1")
         timeout = query.get("timeoutSeconds")
@@ -535,22 +654,32 @@ class FakeKube:
             label_selector=query.get("labelSelector"),
             resource_version=query.get("resourceVersion"),
             allow_bookmarks=query.get("allowWatchBookmarks", "").lower() in ("true", "1"),
-            timeout_seconds=int(timeout) if timeout else None)
+            timeout_seconds=int(timeout) if timeout else None, resource=resource,
+            field_selector=query.get("fieldSelector"))
         self.requests.append(record)
-        failure = self._take_failure(record.kind)
+        fields = _parse_selector(record.field_selector)
+        unknown = sorted(set(fields) - {"metadata.name", "metadata.namespace"})
+        if unknown:  # the API server's answer for a field it does not index
+            return web.json_response(status_object(
+                400, "BadRequest", f'"{unknown[0]}" is not a known field selector: only '
+                '"metadata.name", "metadata.namespace"'), status=400)
+        failure = self._take_failure(record.kind, resource)
         if failure is not None:
-            return web.json_response(status_object(failure, "InternalError", "injected"),
-                                     status=failure)
+            return web.json_response(status_object(failure, _REASONS.get(failure, "InternalError"),
+                                                   "injected"), status=failure)
         return await (self._watch(request, record) if watch else self._list(record))
 
     def _current(self, record: RequestRecord) -> list[dict[str, Any]]:
         selector = _parse_selector(record.label_selector)
-        return [obj for (namespace, _), obj in sorted(self._slices.items())
-                if namespace == record.namespace and _matches(obj, selector)]
+        fields = _parse_selector(record.field_selector)
+        return [obj for (resource, namespace, _), obj in sorted(self._stored.items())
+                if resource == record.resource and namespace == record.namespace
+                and _matches(obj, selector, fields)]
 
     async def _list(self, record: RequestRecord) -> web.Response:
+        _path, api_version, kind = WATCHED[record.resource]
         return web.json_response({
-            "kind": "EndpointSliceList", "apiVersion": API_VERSION,
+            "kind": f"{kind}List", "apiVersion": api_version,
             "metadata": {"resourceVersion": str(self._rv)},
             "items": self._current(record),
         })
@@ -569,7 +698,8 @@ class FakeKube:
             await resp.write_eof()
             return resp
         watcher = _Watcher(record.namespace, _parse_selector(record.label_selector),
-                           record.allow_bookmarks, self._rv)
+                           record.allow_bookmarks, self._rv, resource=record.resource,
+                           fields=_parse_selector(record.field_selector))
         if rv_text in (None, "", "0"):  # "any": start with synthetic ADDED events
             initial = b"".join(_line("ADDED", obj) for obj in self._current(record))
         else:
@@ -618,9 +748,13 @@ class FakeKube:
             watcher.cursor = event.rv
             if event.namespace is None:
                 if watcher.bookmarks:
-                    chunks.append(_line(event.type, event.obj))
-            elif event.namespace == watcher.namespace and _matches(event.obj, watcher.selector):
-                chunks.append(_line(event.type, event.obj))
+                    _path, api_version, kind = WATCHED[watcher.resource]
+                    chunks.append(_line(event.type, {"kind": kind, "apiVersion": api_version,
+                                                     **event.obj}))
+            elif event.resource == watcher.resource and event.namespace == watcher.namespace:
+                event_type = _as_seen(event, watcher)
+                if event_type is not None:
+                    chunks.append(_line(event_type, event.obj))
         return b"".join(chunks)
 
 

@@ -248,10 +248,25 @@ class ScalingConfig(Model):
 
 
 class KubernetesDiscoveryConfig(Model):
-    namespace: str = Field(min_length=1)
-    service: str = Field(min_length=1)
+    """Where a pool's endpoints come from: a Service's EndpointSlices (``service``) or a
+    Gateway API Inference Extension InferencePool's selected pods (``inference_pool``,
+    ``inference.networking.k8s.io/v1``), exactly one of the two, in ``namespace``."""
+
+    namespace: str = Field(min_length=1, max_length=63)
+    service: str | None = Field(None, min_length=1, max_length=253)
+    inference_pool: str | None = Field(None, min_length=1, max_length=253)
     port_name: str | None = None        # the EndpointSlice port; default: the only port
     api_server: str | None = None       # default: in-cluster service account, else kubeconfig
+
+    @model_validator(mode="after")
+    def _one_source(self) -> KubernetesDiscoveryConfig:
+        if (self.service is None) == (self.inference_pool is None):
+            raise ValueError("set exactly one of `service` (EndpointSlices) and "
+                             "`inference_pool` (an InferencePool's pods)")
+        if self.inference_pool is not None and self.port_name is not None:
+            raise ValueError("`port_name` names an EndpointSlice port; an InferencePool's "
+                             "ports are its spec.targetPorts")
+        return self
 
 
 class DiscoveryConfig(Model):
@@ -287,7 +302,7 @@ class PoolConfig(Model):
     affinity: AffinityConfig | None = None
     health_check: HealthCheckConfig | None = None
     scaling: ScalingConfig | None = None
-    discovery: DiscoveryConfig | None = None    # endpoints from Kubernetes EndpointSlices
+    discovery: DiscoveryConfig | None = None    # EndpointSlices or an InferencePool
     telemetry_source: SourceName | None = None  # default: telemetry.source
     itl_slo_ms: float | None = Field(None, gt=0)  # default: weights.composite.itl_slo_ms
     request_classes: list[RequestClassConfig] = Field(default_factory=list)

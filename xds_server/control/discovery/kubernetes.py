@@ -108,14 +108,15 @@ class RefusedAddresses:
 
     total: int = 0
     addresses: set[str] = field(default_factory=set)
+    kind: str = "EndpointSlice"  # what carried them, for the log line (also "Pod")
 
     def refuse(self, slice_: str, address: str, reason: str) -> None:
         self.total += 1
         if address in self.addresses or len(self.addresses) >= MAX_LOGGED_REFUSALS:
             return
         self.addresses.add(address)
-        log.warning("EndpointSlice %r: endpoint %s refused, never sent to Envoy: %s",
-                    slice_[:253], address, reason)
+        log.warning("%s %r: endpoint %s refused, never sent to Envoy: %s",
+                    self.kind, slice_[:253], address, reason)
 
 
 # -- mapping -----------------------------------------------------------------------------------

@@ -1,7 +1,9 @@
-"""Discovered endpoints merged into the config: Kubernetes EndpointSlices and DNS names.
+"""Discovered endpoints merged into the config: Kubernetes EndpointSlices or InferencePools,
+and DNS names.
 
-Each EndpointSlice watcher hands over the latest endpoint set (level-based); the pool's
-endpoints in the effective config are replaced by it. Ready endpoints are HEALTHY;
+Each Kubernetes watcher (a Service's EndpointSlices, or an InferencePool's selected pods, whose
+model names are the pool's config's) hands over the latest endpoint set (level-based); the
+pool's endpoints in the effective config are replaced by it. Ready endpoints are HEALTHY;
 terminating-but-serving ones are drained (DRAINING); not-serving ones are left out.
 
 Endpoints addressed by DNS name become one endpoint per address the name resolves to now
@@ -15,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from xds_server.config.addresses import is_ip
 from xds_server.config.pools import EndpointConfig, PoolConfig
@@ -25,15 +28,25 @@ from xds_server.control.discovery.dns import (
     config_names,
     resolved_endpoints,
 )
+from xds_server.control.discovery.inference_pool import watch_inference_pool
 from xds_server.control.discovery.kubernetes import (
     EndpointSet,
-    EndpointSliceWatcher,
     make_api_client,
     watch_endpoint_slices,
 )
 from xds_server.envoy.clusters import DRAINING
 
 log = logging.getLogger("trimtab.discovery")
+
+
+class Watcher(Protocol):
+    """What Discovery needs of a Kubernetes watcher: an EndpointSliceWatcher (a Service's
+    slices) or an InferencePoolWatcher (an InferencePool's selected pods; the pool's model
+    names are its config's, an InferencePool carries none)."""
+
+    def start(self) -> None: ...
+
+    async def aclose(self) -> None: ...
 
 
 def _expanded(endpoints: list[EndpointConfig], resolved: Resolved) -> list[EndpointConfig]:
@@ -78,15 +91,16 @@ def effective_config(base: Config, discovered: dict[str, EndpointSet],
 
 
 class Discovery:
-    """The discovery sources of one config: an EndpointSlice watcher per discovering pool and
-    the DNS resolver of its endpoint host names. Every change calls ``on_change`` with the
+    """The discovery sources of one config: a Kubernetes watcher per discovering pool (a
+    Service's EndpointSlices or an InferencePool's pods) and the DNS resolver of its endpoint
+    host names. Every change calls ``on_change`` with the
     effective config. The DNS cache outlives :meth:`close` (a reload keeps it)."""
 
     def __init__(self, on_change: Callable[[Config], None],
                  dns: DnsResolver | None = None) -> None:
         self.on_change = on_change
         self.discovered: dict[str, EndpointSet] = {}
-        self.watchers: list[EndpointSliceWatcher] = []
+        self.watchers: list[Watcher] = []
         self.base: Config | None = None
         self.dns = dns or DnsResolver()
         self._dns_task: asyncio.Task[None] | None = None
@@ -125,16 +139,26 @@ class Discovery:
         if self.base is not None:
             self.on_change(self.effective(self.base))
 
-    def _watch(self, pool: PoolConfig) -> EndpointSliceWatcher:
+    def _watch(self, pool: PoolConfig) -> Watcher:
         assert pool.discovery is not None
         k8s = pool.discovery.kubernetes
         client = make_api_client(host=k8s.api_server) if k8s.api_server else None
-        watcher = watch_endpoint_slices(k8s.namespace, k8s.service, k8s.port_name,
-                                        api_client=client,
-                                        on_change=lambda found: self._update(pool.name, found))
+
+        def update(found: EndpointSet) -> None:
+            self._update(pool.name, found)
+
+        watcher: Watcher
+        if k8s.inference_pool is not None:
+            watcher = watch_inference_pool(k8s.namespace, k8s.inference_pool,
+                                           api_client=client, on_change=update)
+            what = f"InferencePool {k8s.namespace}/{k8s.inference_pool} and its pods"
+        else:
+            assert k8s.service is not None  # the config requires one of the two
+            watcher = watch_endpoint_slices(k8s.namespace, k8s.service, k8s.port_name,
+                                            api_client=client, on_change=update)
+            what = f"EndpointSlices of {k8s.namespace}/{k8s.service}"
         watcher.start()
-        log.info("pool %s: watching EndpointSlices of %s/%s", pool.name, k8s.namespace,
-                 k8s.service)
+        log.info("pool %s: watching %s", pool.name, what)
         return watcher
 
     def _update(self, pool: str, found: EndpointSet) -> None:
