@@ -1,17 +1,30 @@
-"""Endpoints addressed by DNS name (xds_server/control/discovery/dns.py and merge.py), with an
-injected resolver: a fake getaddrinfo and a fake clock, never real DNS."""
+"""Endpoints addressed by DNS name (xds_server/control/discovery/dns.py and merge.py): unit
+tests with an injected resolver (a fake getaddrinfo and a fake clock, never real DNS), and one
+slow test through `trimtab serve` with `localhost` resolved by the system resolver."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import socket
+import subprocess
+import sys
 import threading
+import urllib.request
+from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+import yaml
+from envoy.config.endpoint.v3.endpoint_pb2 import ClusterLoadAssignment
+from envoy.service.discovery.v3.discovery_pb2 import DiscoveryRequest, DiscoveryResponse
 from prometheus_client import REGISTRY
 
+from tests.support.backends import BackendFleet
+from tests.support.wait import wait_until
+from trimtab_dev.envoy_process import free_port
 from xds_server.config.load import parse_config
 from xds_server.config.schema import DnsDiscoveryConfig
 from xds_server.control.controller import Controller
@@ -264,3 +277,73 @@ def test_canary_endpoints_by_name_expand_in_their_version_and_ips_stay_as_they_a
     assert [ep.address for ep in pool.versions["canary"].endpoints] == ["10.6.0.1:80"]
     ip = config.pool("q").versions["canary"].endpoints[1]
     assert resolved_endpoints(ip, resolved) == [ip]
+
+
+# -- through `trimtab serve`: `localhost` as a name, resolved by the system resolver ---------
+
+def _eds_over_ads(xds: str, cluster: str) -> dict[str, int]:
+    """The ClusterLoadAssignment `cluster` as `IP:port -> load_balancing_weight`, asked for
+    over a SotW ADS stream like an Envoy would."""
+    with grpc.insecure_channel(xds) as channel:
+        call = channel.stream_stream(
+            "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources",
+            request_serializer=DiscoveryRequest.SerializeToString,
+            response_deserializer=DiscoveryResponse.FromString)
+        requests = iter([DiscoveryRequest(node={"id": "dns-test", "cluster": "edge"},
+                                          type_url=T.ENDPOINT, resource_names=[cluster])])
+        responses = call(requests, timeout=10)
+        response = next(responses)
+        responses.cancel()
+    found = {}
+    for resource in response.resources:
+        cla = ClusterLoadAssignment()
+        resource.Unpack(cla)
+        if cla.cluster_name == cluster:
+            for locality in cla.endpoints:
+                for lb in locality.lb_endpoints:
+                    socket_address = lb.endpoint.address.socket_address
+                    host = socket_address.address
+                    key = f"[{host}]" if ":" in host else host
+                    found[f"{key}:{socket_address.port_value}"] = lb.load_balancing_weight.value
+    return found
+
+
+@pytest.mark.slow
+def test_serve_resolves_localhost_into_an_endpoint_in_weights_and_eds(tmp_path) -> None:
+    root = Path(__file__).resolve().parents[2]
+    with BackendFleet(count=1) as fleet:
+        fleet.set_vllm(0)
+        port = fleet.ports[0]
+        admin, xds = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        config = {"xds": {"address": xds}, "admin": {"address": admin},
+                  "listener": {"address": f"127.0.0.1:{free_port()}"},
+                  "telemetry": {"interval_seconds": 0.5},
+                  "rollouts": {"state_file": str(tmp_path / "rollouts.json")},
+                  "discovery": {"dns": {"refresh_seconds": 5, "timeout_seconds": 2}},
+                  "pools": [{"name": "named", "model": "m",
+                             "endpoints": [{"address": f"localhost:{port}"}]}]}
+        path = tmp_path / "config.yaml"
+        path.write_text(yaml.safe_dump(config))
+        proc = subprocess.Popen([sys.executable, "-m", "xds_server.cli", "--log-level",
+                                 "warning", "serve", "--config", str(path)], cwd=root)
+        ipv4, ipv6 = f"127.0.0.1:{port}", f"[::1]:{port}"  # /etc/hosts may give both
+        try:
+            def weights() -> dict[str, Any]:
+                assert proc.poll() is None, "trimtab serve exited"
+                try:
+                    with urllib.request.urlopen(f"http://{admin}/v1/weights", timeout=2) as r:
+                        return json.load(r)["pools"].get("named", {})
+                except OSError:
+                    return {}
+
+            # the IPv4 address is read at its own IP: not stale once its page was scraped
+            found = wait_until(weights, 30, "localhost's endpoint read in /v1/weights",
+                               check=lambda w: ipv4 in w and not w[ipv4]["stale"], every=0.1)
+            assert set(found) <= {ipv4, ipv6}
+            assert fleet.scrape_count(0) > 0
+            eds = _eds_over_ads(xds, "named")
+            assert ipv4 in eds and set(eds) == set(found)
+            assert eds[ipv4] >= 1
+        finally:
+            proc.terminate()
+            proc.wait(15)

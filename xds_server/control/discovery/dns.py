@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import ipaddress
 import logging
 import socket
@@ -271,10 +272,8 @@ class DnsResolver:
 def _forget(name: str) -> None:
     """A name no longer in the config has no series."""
     for gauge in (ADDRESSES, STALE):
-        try:
+        with contextlib.suppress(KeyError):
             gauge.remove(name)
-        except KeyError:
-            pass
 
 
 def _url_at(url: str | None, name: str, ip: str) -> str | None:

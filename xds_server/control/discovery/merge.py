@@ -15,6 +15,7 @@ Endpoints addressed by DNS name become one endpoint per address the name resolve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable
 from typing import Protocol
@@ -174,10 +175,8 @@ class Discovery:
         if self._dns_task is not None:
             task, self._dns_task = self._dns_task, None
             task.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError):
                 await task
-            except asyncio.CancelledError:
-                pass
         for watcher in self.watchers:
             await watcher.aclose()
         self.watchers.clear()
