@@ -325,6 +325,23 @@ def test_rbac_only_reads_endpointslices():
     assert not [o for o in objects() if o["kind"] in {"ClusterRole", "ClusterRoleBinding"}]
 
 
+def test_rbac_only_reads_inferencepools_and_pods():
+    """What InferencePool discovery lists and watches (xds_server/control/discovery/
+    inference_pool.py), read-only, in trimtab's namespace."""
+    from xds_server.control.discovery.inference_pool import GROUP, PLURAL
+
+    rules = find("Role", "trimtab-inferencepool-reader")["rules"]
+    assert rules == [{"apiGroups": [GROUP], "resources": [PLURAL],
+                      "verbs": ["get", "list", "watch"]},
+                     {"apiGroups": [""], "resources": ["pods"],
+                      "verbs": ["get", "list", "watch"]}]
+    binding = find("RoleBinding", "trimtab-inferencepool-reader")
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                                  "name": "trimtab-inferencepool-reader"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trimtab",
+                                    "namespace": "trimtab"}]
+
+
 def _template_labels(workload: dict[str, Any]) -> dict[str, str]:
     return workload["spec"]["template"]["metadata"]["labels"]
 
@@ -386,7 +403,8 @@ def test_rbac_for_coordination_is_get_and_update_of_the_two_named_objects():
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "trimtab",
                                     "namespace": "trimtab"}]
     roles = {o["metadata"]["name"] for o in objects() if o["kind"] == "Role"}
-    assert roles == {"trimtab-endpointslice-reader", "trimtab-coordination"}
+    assert roles == {"trimtab-endpointslice-reader", "trimtab-inferencepool-reader",
+                     "trimtab-coordination"}
 
 
 # -- Envoy -------------------------------------------------------------------------------
