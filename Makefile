@@ -16,22 +16,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[dev]'
 	@touch $(STAMP)
 
-venv: $(STAMP)
+# trimtab, envoy and python live in .venv/bin; `make venv` and `make demo` say so on their last line
+HINT   := trimtab and envoy are in $(VENV)/bin: run  . $(VENV)/bin/activate  to use them in this shell
 
-test: venv  ## every test, the slow ones (real Envoy, Prometheus, backends) included
+venv: $(STAMP)
+	@echo "$(HINT)"
+
+test: $(STAMP)  ## every test, the slow ones (real Envoy, Prometheus, backends) included
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-test-fast: venv  ## unit tests only
+test-fast: $(STAMP)  ## unit tests only
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-demo: venv
-	$(PY) -m trimtab_dev.demo.simulated
+demo: $(STAMP)
+	@$(PY) -m trimtab_dev.demo.simulated; status=$$?; \
+	 echo "$(HINT)"; \
+	 exit $$status
 
-lint: venv
+lint: $(STAMP)
 	$(VENV)/bin/ruff check xds_server weight_calculator trimtab_dev tests benchmarks
 	$(VENV)/bin/mypy xds_server weight_calculator trimtab_dev
 
-bench: venv
+bench: $(STAMP)
 	$(PY) benchmarks/push_latency.py
 
 image:  ## the Dockerfile with podman, buildah or docker (CONTAINER_ENGINE=... to choose)
