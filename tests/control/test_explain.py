@@ -255,3 +255,12 @@ def test_a_narrow_table_puts_the_reason_under_the_row_rather_than_overflowing() 
     assert lines[3].startswith("    fail-static: every read failed")
     [(_, _, parsed)] = _sections(text)[0].values()
     assert parsed["10.0.0.1:80"][-1] == rows[0]["reason"].strip()
+
+
+def test_a_stale_endpoint_says_stale_once() -> None:
+    base = {"pool": "p", "cluster": "p", "policy": "queueing", "lb_policy": "least_request",
+            "locality": None, "weight": 1, "stale": True, "inputs": {}, "reason": "r"}
+    rows = [{**base, "endpoint": "10.0.0.1:80", "health": "STALE"},
+            {**base, "endpoint": "10.0.0.2:80", "health": "HEALTHY"}]
+    [(_, _, parsed)] = _sections(render_table(rows))[0].values()
+    assert parsed["10.0.0.1:80"][3] == "STALE" and parsed["10.0.0.2:80"][3] == "HEALTHY stale"

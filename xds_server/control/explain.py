@@ -58,7 +58,8 @@ def _cell(row: dict[str, Any], *path: str) -> str:
 
 
 def _health(row: dict[str, Any]) -> str:
-    return f"{row['health']} stale" if row["stale"] and row["health"] != "-" else str(row["health"])
+    health = str(row["health"])
+    return f"{health} stale" if row["stale"] and health not in ("-", "STALE") else health
 
 
 # (header, cell) per policy: only what that policy weighs by. Every table starts with the
