@@ -72,13 +72,17 @@ def test_ticks_leave_no_cyclic_garbage_and_no_growing_tracked_heap(caplog):
         for _ in range(6):  # warm-up: the first tick freezes the startup heap
             await tick()
         assert gc.get_freeze_count() > 0
-        found, counts = [], []
-        for i in range(60):
+        found: list[int] = []
+        counts: dict[int, list[int]] = {19: [], 59: []}
+        for i in range(63):
             await tick()
             found.append(gc.collect())  # what the ticks left for the collector to find
-            if i in (19, 59):  # after a settling stretch (caches, the history filling)
-                counts.append(len(gc.get_objects()))
-        before, after = counts
+            for start, seen in counts.items():  # after a settling stretch (caches, history)
+                if start <= i < start + 3:
+                    seen.append(len(gc.get_objects()))
+        # the least of three ticks: the worker thread may still hold its last work item (the
+        # executor drops it only after the loop has resumed), a transient, not growth
+        before, after = min(counts[19]), min(counts[59])
         gc.collect()  # a tuple is untracked by the pass after the one that untracks its items
         rows = list(controller.store._rows.values())
         tracked_rows = sum(gc.is_tracked(row) for row in rows)
@@ -87,7 +91,7 @@ def test_ticks_leave_no_cyclic_garbage_and_no_growing_tracked_heap(caplog):
         return found, before, after, tracked_rows, kinds
 
     found, before, after, tracked_rows, kinds = asyncio.run(scenario())
-    assert found == [0] * 60
+    assert found == [0] * 63
     assert after - before <= 5, (before, after)  # flat over 40 ticks of 300 endpoints
     # Long-lived per-endpoint state: the store's rows are untracked; per endpoint only its
     # EndpointWeight stays tracked (and metric series first set after tick 1), no
