@@ -309,11 +309,14 @@ def get_json(url: str) -> Any:
 
 
 PAGE_STATE_JS = """
-const out = {rows: {}, paths: {}, points: {}, stale: [], bands: [], rollouts: {}, nacks: []};
+const out = {rows: {}, shares: {}, localities: {}, paths: {}, points: {}, stale: [], bands: [],
+             rollouts: {}, nacks: []};
 for (const s of document.querySelectorAll('section.pool')) {
   const pool = s.dataset.pool;
   for (const tr of s.querySelectorAll('tbody tr[data-endpoint]')) {
     out.rows[pool + '/' + tr.dataset.endpoint] = Number(tr.querySelector('.weight').dataset.weight);
+    out.shares[pool + '/' + tr.dataset.endpoint] = Number(tr.querySelector('.share').dataset.share);
+    out.localities[pool + '/' + tr.dataset.endpoint] = tr.querySelector('.locality').textContent;
     if (tr.classList.contains('row-stale')) out.stale.push(pool + '/' + tr.dataset.endpoint);
   }
   for (const p of s.querySelectorAll('svg.chart path.series')) {
@@ -366,6 +369,9 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
             assert page["points"] == want
             assert {v["steps"] for v in page["paths"].values()} == {3}  # 4 ticks: a line of 4 points
             assert want["llama/10.0.0.1:80"] == 70 and page["stale"] == ["llama/10.0.0.3:80"]
+            llama = get_json(f"{base}/v1/weights")["pools"]["llama"]
+            assert {a: page["shares"][f"llama/{a}"] for a in llama} == {
+                a: pytest.approx(100 * e["share"]) for a, e in llama.items()}
             rollouts = get_json(f"{base}/v1/rollouts")["rollouts"]
             assert page["rollouts"] == {"qwen": rollouts["qwen"]["percent"]} != {}
             assert len(page["nacks"]) == 1 and "load_balancing_weight" in page["nacks"][0]
@@ -490,3 +496,17 @@ def test_cross_origin_page_cannot_steer_a_rollout_but_the_page_can():
             assert page["rollouts"] == {"qwen": 100}
             assert "promote qwen: promoted at 100%" in driver.find_element(By.ID, "rollout-result").text
             assert [s for s in seen if s[0] == "POST"] == [("POST", "same-origin", 200)] * 2
+
+
+def test_weights_document_gives_each_endpoint_its_share_of_its_cluster():
+    """Issue 25 item 3: the page shows `share`, Envoy's split of the cluster's new requests
+    (weight_calculator.localities.document_shares), per cluster: a canary cluster's shares
+    add up to 1 on their own."""
+    plane = make_plane()
+    asyncio.run(plane.tick())
+    pools = weights_document(plane.controller)["pools"]
+    llama = pools["llama"]
+    total = sum(e["weight"] for e in llama.values())
+    assert {a: e["share"] for a, e in llama.items()} == {
+        a: pytest.approx(e["weight"] / total, abs=1e-4) for a, e in llama.items()}
+    assert [e["share"] for e in pools["qwen"].values()] == [1.0, 1.0]  # stable, canary

@@ -114,6 +114,13 @@ def test_capacity_tiers_are_weighted_localities_and_envoy_splits_by_them(stack) 
     for twins in (fleet.addresses[:2], fleet.addresses[2:]):  # even inside each tier
         tier = sum(served[a] for a in twins)
         assert abs(served[twins[0]] / tier - 0.5) <= 4 * math.sqrt(0.25 / tier) + 0.02, served
+    # the status page's share (/v1/weights `share`, issue 25 item 3) is the split Envoy made
+    page = {a: e["share"] for a, e in trimtab.weights()["pools"]["tiers"].items()}
+    assert page == {a: pytest.approx(0.4) for a in fleet.addresses[:2]} | {
+        a: pytest.approx(0.1) for a in fleet.addresses[2:]}, page
+    for address in fleet.addresses:
+        measured = served[address] / REQUESTS
+        assert abs(page[address] - measured) <= _slack(page[address]), (page, served)
 
 
 def _priorities(envoy: EnvoyProcess, cluster: str) -> dict[str, int]:
@@ -143,6 +150,8 @@ def test_a_tier_on_standby_is_priority_1_and_gets_nothing_until_it_is_back(stack
                check=lambda p: p == want)
     served = _served(fleet, port, 200)
     assert sum(served[a] for a in small) == 0, served
+    page = {a: e["share"] for a, e in trimtab.weights()["pools"]["tiers"].items()}
+    assert [page[a] for a in small] == [0.0, 0.0] and sum(page.values()) == pytest.approx(1)
     assert sum(served[a] for a in big) == 200, served
     for index in (2, 3):  # as fast per KV token as the big tier: back in the split
         fleet.set_vllm(index, tokens_per_s=5_000.0)

@@ -61,3 +61,78 @@ def test_an_endpoint_without_a_share_still_has_a_locality(absent: str) -> None:
     shares = {a: 1.0 for a in TIERS if a != absent}  # e.g. stale: weighed elsewhere
     plan = _plan(shares)
     assert plan.tiers[absent] == TIERS[absent] and absent not in plan.host_units
+
+
+# -- effective_shares: the share of new requests Envoy gives each host ----------------------
+
+def test_effective_share_is_locality_share_times_host_share_not_host_weight_alone():
+    """Issue 25 item 3: equal host weights in two tiers of 100 : 25 (and a third of 10) give
+    80 : 20, not the host weights' even split the page used to show."""
+    from weight_calculator.localities import EdsHost, effective_shares
+
+    hosts = {"a": EdsHost(100, "big", 100), "b": EdsHost(100, "big", 100),
+             "c": EdsHost(100, "small", 25), "d": EdsHost(100, "small", 25),
+             "e": EdsHost(100, "tiny", 10)}
+    shares = effective_shares(hosts)
+    assert shares["a"] == pytest.approx(50 / 135) and shares["b"] == shares["a"]
+    assert shares["c"] == pytest.approx(12.5 / 135)
+    assert shares["e"] == pytest.approx(10 / 135)
+    assert sum(shares.values()) == pytest.approx(1.0)
+    # one locality: by host weight
+    assert effective_shares({"x": EdsHost(30), "y": EdsHost(10)}) == {
+        "x": pytest.approx(0.75), "y": pytest.approx(0.25)}
+
+
+def test_standby_gets_nothing_while_priority_0_is_healthy_and_takes_over_when_it_is_not():
+    from weight_calculator.localities import EdsHost, effective_shares
+
+    serving = {f"p{i}": EdsHost(100, "big", 100) for i in range(4)}
+    standby = {"s0": EdsHost(1, "small", 1, priority=1), "s1": EdsHost(1, "small", 1, priority=1)}
+    shares = effective_shares(serving | standby)
+    assert shares["s0"] == shares["s1"] == 0.0
+    assert shares["p0"] == pytest.approx(0.25)
+    # two of four priority-0 hosts DEGRADED: 1.4 x 2/4 = 70 % healthy load stays at priority
+    # 0's healthy hosts, the next 30 % goes to priority 1's healthy hosts before any DEGRADED
+    half = {a: (EdsHost(100, "big", 100, status="DEGRADED") if a in ("p2", "p3") else h)
+            for a, h in serving.items()}
+    shares = effective_shares(half | standby)
+    assert shares["p0"] == pytest.approx(0.35) and shares["p2"] == 0.0
+    assert shares["s0"] == pytest.approx(0.15)
+    # every host on standby: build.py publishes them at priority 0, so they serve
+    assert effective_shares(standby) == {"s0": pytest.approx(0.5), "s1": pytest.approx(0.5)}
+
+
+def test_degraded_hosts_get_load_only_when_the_healthy_ones_fall_short():
+    from weight_calculator.localities import EdsHost, effective_shares
+
+    # 3 healthy of 4: 1.4 x 3/4 covers 100 %: the DEGRADED one gets nothing
+    hosts = {"a": EdsHost(10), "b": EdsHost(10), "c": EdsHost(10), "d": EdsHost(10, status="DEGRADED")}
+    assert effective_shares(hosts)["d"] == 0.0
+    # 1 healthy of 3: 46 % healthy (integer percent, as Envoy), the DEGRADED take the rest
+    hosts = {"a": EdsHost(10), "b": EdsHost(10, status="DEGRADED"),
+             "c": EdsHost(10, status="DEGRADED")}
+    shares = effective_shares(hosts)
+    assert shares["a"] == pytest.approx(0.46) and shares["b"] == pytest.approx(0.27)
+    # a draining host gets nothing, and thins out its locality like any unhealthy one
+    drained = {"a": EdsHost(10, "x", 10), "b": EdsHost(10, "x", 10, status="DRAINING"),
+               "c": EdsHost(10, "y", 10)}
+    shares = effective_shares(drained)
+    assert shares["b"] == 0.0
+    assert shares["a"] == pytest.approx(7 / 17) and shares["c"] == pytest.approx(10 / 17)
+
+
+def test_document_shares_reads_v1_weights_endpoints_as_build_publishes_them():
+    from weight_calculator.localities import document_shares
+
+    shares = document_shares({
+        "a": {"weight": 100, "health": "HEALTHY", "locality": "big", "locality_weight": 100},
+        "b": {"weight": 100, "health": "STALE", "locality": "small", "locality_weight": 25},
+        "c": {"weight": 1, "health": "STANDBY", "locality": "tiny", "locality_weight": 1},
+        "d": {"weight": 100, "health": "HEALTHY", "locality": "big", "locality_weight": 100,
+              "drain": True}})
+    assert shares["d"] == 0.0
+    # priority 0 has 2 of its 3 hosts healthy: 140 x 2/3 = 93 % stays there, 7 % fails over
+    # to the standby; big has one healthy host of two: 100 x min(1, 1.4 x 1/2) = 70 : 25
+    assert shares["c"] == pytest.approx(0.07)
+    assert shares["a"] == pytest.approx(0.93 * 70 / 95)
+    assert shares["b"] == pytest.approx(0.93 * 25 / 95)

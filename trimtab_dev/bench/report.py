@@ -23,7 +23,7 @@ from trimtab_dev.bench.fleet import Fleet
 from trimtab_dev.bench.runner import LoadPlan, LoadRun
 from trimtab_dev.loadgen import summarize
 from trimtab_dev.loadgen.runner import RequestRecord, RunResult
-from weight_calculator.localities import OVERPROVISIONING
+from weight_calculator.localities import document_shares
 
 # (name, description, policy compared with, metric, operator, limit)
 Target = tuple[str, str, str, str, str, float]
@@ -159,28 +159,10 @@ def weight_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[st
 
 def effective_shares(sample: Mapping[str, Any]) -> dict[str, float]:
     """The share of new requests trimtab's weights give each endpoint (one ``/v1/weights``
-    sample, as :func:`trimtab_weights` keeps it): by locality weight (times the share of
-    the locality Envoy counts as available), then by host weight inside the locality, over
-    the hosts Envoy routes to (health HEALTHY, or WARMING/STALE: EDS HEALTHY). Envoy's
-    least_request divisor, which acts between ticks, is left out."""
-    routed = {a: v for a, v in sample.items()
-              if isinstance(v, dict) and v.get("health") not in ("STANDBY", "DEGRADED")}
-    groups: dict[str, list[str]] = {}
-    for address, value in sample.items():
-        if isinstance(value, dict):
-            groups.setdefault(str(value.get("locality") or ""), []).append(address)
-    serving = {name: (up, len(members)) for name, members in groups.items()
-               if (up := [a for a in members if a in routed])}
-    weight_of = {name: float(sample[up[0]].get("locality_weight") or 1.0)
-                 * min(1.0, OVERPROVISIONING * len(up) / n)
-                 for name, (up, n) in serving.items()}
-    total = sum(weight_of.values())
-    out = {a: 0.0 for a in sample}
-    for name, (up, _) in serving.items():
-        inside = sum(float(routed[a]["weight"]) for a in up)
-        for a in up:
-            out[a] = (weight_of[name] / total) * float(routed[a]["weight"]) / inside
-    return out
+    sample, as :func:`trimtab_weights` keeps it), as Envoy routes them:
+    :func:`weight_calculator.localities.document_shares`, the status page's computation."""
+    return document_shares({a: v for a, v in sample.items() if isinstance(v, dict)}) | {
+        a: 0.0 for a, v in sample.items() if not isinstance(v, dict)}
 
 
 def share_series(samples: Sequence[tuple[float, Any]], fleet: Fleet) -> dict[str, list[Any]]:

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from weight_calculator.health import Health
+from weight_calculator.localities import document_shares
 from weight_calculator.types import EndpointWeight, PoolWeights
 from xds_server.admin.encoding import (
     Encoded,
@@ -49,9 +50,7 @@ SLICE_SECONDS = 0.005  # the longest the loop copies streams before it serves ag
 def weights_document(controller: Controller) -> dict[str, Any]:
     """The `/v1/weights` JSON as a dict (see :func:`encode_weights` for the bytes served)."""
     config, weights = controller.config, controller.weights
-    pools = {pool.name: {address: _endpoint_document(*row)
-                         for address, row in _endpoint_rows(pool, weights)}
-             for pool in config.pools}
+    pools = {pool.name: _endpoint_documents(pool, weights) for pool in config.pools}
     return {"pools": pools, **_cluster_parts(config.pools, weights)}
 
 
@@ -93,9 +92,24 @@ def _weights_hint(config: Config, pool: str | None) -> str:
 
 
 def _encode_pool(pool: PoolConfig, weights: Weights) -> bytes:
-    endpoints = {address: dumps(_endpoint_document(*row))
-                 for address, row in _endpoint_rows(pool, weights)}
+    endpoints = {address: dumps(document)
+                 for address, document in _endpoint_documents(pool, weights).items()}
     return join_object(sorted(endpoints.items()))
+
+
+def _endpoint_documents(pool: PoolConfig, weights: Weights) -> dict[str, dict[str, Any]]:
+    """address -> its document, with ``share``: the part of its cluster's new requests Envoy
+    gives it (locality weight x host weight, priorities and EDS health included:
+    :func:`weight_calculator.localities.document_shares`)."""
+    documents = {address: _endpoint_document(*row)
+                 for address, row in _endpoint_rows(pool, weights)}
+    clusters: dict[str, dict[str, dict[str, Any]]] = {}
+    for address, document in documents.items():
+        clusters.setdefault(document["cluster"], {})[address] = document
+    for members in clusters.values():
+        for address, share in document_shares(members).items():
+            members[address]["share"] = round(share, 4)
+    return documents
 
 
 EndpointRow = tuple[EndpointConfig, EndpointWeight | None, str, str, int | None]

@@ -209,7 +209,7 @@
       el("div", { class: "pool-admission muted" }),
       el("div", { class: "chart-box" }),
       el("table", { class: "grid legend" },
-        el("thead", {}, el("tr", {}, ...["", "endpoint", "weight", "share", "signals", "flags", "age", "reason"]
+        el("thead", {}, el("tr", {}, ...["", "endpoint", "weight", "locality", "share", "signals", "flags", "age", "reason"]
           .map((h) => el("th", {}, h)))),
         el("tbody")));
     container.append(section);
@@ -401,21 +401,16 @@
   }
 
   // ---- the legend table ----------------------------------------------------------------------------
-  function clusterTotals(endpoints) {
-    const totals = {};
-    for (const ep of Object.values(endpoints)) totals[ep.cluster] = (totals[ep.cluster] || 0) + ep.weight;
-    return totals;
-  }
-
-  function trafficShare(pool, ep, totals) {
-    // Expected share of the pool's traffic: weight within its cluster, times the cluster's
-    // share when a canary rollout splits the pool.
-    const total = totals[ep.cluster] || 0;
-    if (!total) return null;
+  function trafficShare(pool, ep) {
+    // Expected share of the pool's traffic, in percent: the share of its cluster's new
+    // requests Envoy gives it (/v1/weights `share`: locality weight x host weight, priorities
+    // and health included, computed once in weight_calculator/localities.py), times the
+    // cluster's share when a canary rollout splits the pool.
+    if (typeof ep.share !== "number") return null;
     const rollout = (state.rollouts || {})[pool];
     let clusterShare = 1;
     if (rollout) clusterShare = (ep.version === "canary" ? rollout.percent : 100 - rollout.percent) / 100;
-    return (100 * ep.weight * clusterShare) / total;
+    return 100 * ep.share * clusterShare;
   }
 
   function flagsOf(ep) {
@@ -429,14 +424,13 @@
   }
 
   function renderLegend(tbody, pool, addresses, endpoints) {
-    const totals = clusterTotals(endpoints);
     for (const row of tbody.querySelectorAll("tr")) {
       if (!addresses.includes(row.dataset.endpoint)) row.remove();
     }
     for (const address of addresses) {
       const row = tbody.querySelector(`tr[data-endpoint="${CSS.escape(address)}"]`) || createLegendRow(tbody, address);
       tbody.append(row);
-      fillLegendRow(row, endpoints[address], trafficShare(pool, endpoints[address], totals),
+      fillLegendRow(row, endpoints[address], trafficShare(pool, endpoints[address]),
         colorOf(addresses, address));
     }
   }
@@ -445,7 +439,8 @@
     const row = el("tr", { "data-endpoint": address },
       el("td", {}, el("span", { class: "swatch" })), el("td", { class: "mono" }, address),
       el("td", { class: "num weight" }),
-      el("td", { class: "num share", title: "expected share of the pool's traffic (weight, and the canary split)" }),
+      el("td", { class: "locality", title: "Envoy locality (capacity tier) and its weight" }),
+      el("td", { class: "num share", title: "expected share of the pool's new requests, as Envoy routes them: locality weight x host weight, priorities and health, and the canary split" }),
       el("td", { class: "signals" }), el("td", { class: "flags" }), el("td", { class: "num age" }),
       el("td", { class: "reason" }));
     tbody.append(row);
@@ -461,6 +456,8 @@
     const weight = row.querySelector(".weight");
     weight.dataset.weight = String(ep.weight);
     setText(weight, String(ep.weight));
+    setText(row.querySelector(".locality"), ep.locality ? `${ep.locality} · ${ep.locality_weight ?? 1}` : "–");
+    row.querySelector(".share").dataset.share = share === null ? "" : String(share);
     setText(row.querySelector(".share"), share === null ? "–" : `${share < 10 ? share.toFixed(1) : Math.round(share)}%`);
     replaceIfChanged(row.querySelector(".signals"), Object.entries(ep.signals || {}).sort()
       .map(([k, v]) => el("span", { class: "signal" }, `${k} `, el("b", {}, fmtNumber(v)))));
