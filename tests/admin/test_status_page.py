@@ -37,7 +37,7 @@ from xds_server.control.admission import AdmissionState
 from xds_server.control.controller import Controller
 from xds_server.xds import type_urls as T
 from xds_server.xds.cache import SnapshotCache
-from xds_server.xds.lrs import ClusterLoad, EnvoyLoad, Report
+from xds_server.xds.lrs import ClusterLoad, EndpointLoad, EnvoyLoad, Report
 from xds_server.xds.nacks import NackLog
 from xds_server.xds.protocol import Nack, SotwStream
 from xds_server.xds.server import XdsServicer
@@ -106,7 +106,16 @@ def add_admission(plane: Plane) -> None:
         budgets={"llama": PoolBudget(in_flight=22, serving=16, retry_after_s=1.0)},
         envoys={"llama": 2})
     key = plane.load.open()
-    plane.load.add(key, Report({"llama": ClusterLoad(11, 4, 11, 1.0)}), {"llama"})
+    plane.load.add(key, Report({"llama": ClusterLoad(11, 4, 11, 1.0, {
+        "10.0.0.1:80": EndpointLoad(8, 0, 8), "10.0.0.2:80": EndpointLoad(3, 0, 3),
+        "10.0.0.3:80": EndpointLoad(0, 6, 0)})}), {"llama"})
+
+
+# what add_admission's report says per endpoint, as /v1/admission shows it: 10.0.0.3 is dead
+ENDPOINT_LOAD = {
+    "10.0.0.1:80": {"issued_per_s": 8.0, "errors_per_s": 0.0, "in_progress": 8, "reporting": 1},
+    "10.0.0.2:80": {"issued_per_s": 3.0, "errors_per_s": 0.0, "in_progress": 3, "reporting": 1},
+    "10.0.0.3:80": {"issued_per_s": 0.0, "errors_per_s": 6.0, "in_progress": 0, "reporting": 1}}
 
 
 def add_nack(plane: Plane, detail: str) -> None:
@@ -243,7 +252,8 @@ def test_admission_document_has_the_budget_in_force_and_envoys_load_reports():
         assert llama["budget"] == 22 and llama["envoys"] == 2
         assert llama["limit"] == {"interactive": 11, "batch": 6}  # ceil(22 / 2), half for batch
         assert llama["envoy"] == {"issued": 11, "dropped": 4, "in_progress": 11,
-                                  "issued_per_s": 11.0, "dropped_per_s": 4.0, "reporting": 1}
+                                  "issued_per_s": 11.0, "dropped_per_s": 4.0, "reporting": 1,
+                                  "endpoints": ENDPOINT_LOAD}
         qwen = doc["qwen"]["clusters"]
         assert set(qwen) == {"qwen", "qwen-canary"}
         assert qwen["qwen"]["budget"] is None and qwen["qwen"]["envoy"] is None
@@ -383,6 +393,15 @@ def test_live_page_shows_the_weights_held_and_follows_changes():
             assert ("llama: budget 22 in flight · 11 per Envoy (batch 6) × 2 Envoys · Envoy: "
                     "11/s admitted, 4/s refused, 11 in flight (11 / 4 in all)") in lines, lines
             assert any(line.startswith("qwen-canary: no budget") for line in lines), lines
+            envoy = wait_until(lambda: driver.execute_script(
+                "return Object.fromEntries([...document.querySelectorAll("
+                "'section.pool[data-pool=llama] td.envoy')].map(td => "
+                "[td.parentElement.dataset.endpoint, [td.dataset.envoy, td.textContent]]));"),
+                8.0, "Envoy's per-endpoint counts", check=lambda e: e.get("10.0.0.1:80", [""])[0] == "ok",
+                every=0.1)
+            assert envoy == {"10.0.0.1:80": ["ok", "8/s · 8 in flight"],
+                             "10.0.0.2:80": ["ok", "3/s · 3 in flight"],
+                             "10.0.0.3:80": ["errors", "0/s · 0 in flight · 6/s errors"]}, envoy
 
             driver.execute_script("window.__sameDocument = true;")
             run_on(loop, plane.tick({"10.0.0.2:80": 96.0}))

@@ -18,6 +18,7 @@ from xds_server.xds.lrs import (
     METHOD,
     SERVICE,
     ClusterLoad,
+    EndpointLoad,
     EnvoyLoad,
     LoadCollector,
     LoadReportServicer,
@@ -62,6 +63,7 @@ def test_first_report_is_answered_with_every_cluster_and_the_interval() -> None:
     assert report.clusters == {}
     response = stream.response()
     assert response is not None and response.send_all_clusters
+    assert response.report_endpoint_granularity  # per-endpoint counts for the status page
     assert response.load_reporting_interval.ToTimedelta().total_seconds() == 0.5
     assert stream.response() is None  # answered once
 
@@ -273,3 +275,31 @@ def test_a_hostile_report_ends_its_stream_naming_the_bound_and_logs_it_escaped(c
     lines = [r.getMessage() for r in caplog.records]
     assert any("'evil\\nINFO forged line'" in line for line in lines), lines
     assert not any("\n" in line for line in lines)
+
+
+def test_per_endpoint_counts_are_kept_per_stream_and_summed_across_envoys() -> None:
+    """Issue 25 item 3: what each Envoy sent each endpoint (upstream_endpoint_stats), so the
+    status page can show a dead endpoint's errors next to its weight."""
+    stats = _cluster("adm", issued=5, in_progress=2, interval_s=2.0)
+    for host, issued, errors, in_progress in (("10.0.0.1", 4, 0, 2), ("10.0.0.2", 1, 1, 0)):
+        endpoint = stats.upstream_locality_stats[0].upstream_endpoint_stats.add(
+            total_issued_requests=issued, total_error_requests=errors,
+            total_requests_in_progress=in_progress)
+        endpoint.address.socket_address.address = host
+        endpoint.address.socket_address.port_value = 8000
+    stats.upstream_locality_stats[0].upstream_endpoint_stats.add(total_issued_requests=9)  # no address
+    report = LoadReportStream(1.0).receive(_request(stats))
+    assert report.clusters["adm"].endpoints == {
+        "10.0.0.1:8000": EndpointLoad(4, 0, 2), "10.0.0.2:8000": EndpointLoad(1, 1, 0)}
+    clock = _Clock()
+    load = EnvoyLoad(clock)
+    one, two = load.open(), load.open()
+    load.add(one, report, {"adm"})
+    load.add(two, Report({"adm": ClusterLoad(1, 0, 1, 1.0, {"10.0.0.1:8000": EndpointLoad(1, 0, 1)})}),
+             {"adm"})
+    hosts = load.view(stale_after_s=3.0)["adm"].endpoints
+    assert hosts["10.0.0.1:8000"].in_progress == 3 and hosts["10.0.0.1:8000"].envoys == 2
+    assert hosts["10.0.0.1:8000"].issued_per_s == pytest.approx(4 / 2.0 + 1 / 1.0)
+    assert hosts["10.0.0.2:8000"].errors_per_s == pytest.approx(0.5)
+    load.close(one)
+    assert set(load.view(stale_after_s=3.0)["adm"].endpoints) == {"10.0.0.1:8000"}

@@ -268,7 +268,12 @@ def _envoy_load(view: ClusterView | None) -> dict[str, Any] | None:
         return None
     return {"issued": view.issued, "dropped": view.dropped, "in_progress": view.in_progress,
             "issued_per_s": round(view.issued_per_s, 3),
-            "dropped_per_s": round(view.dropped_per_s, 3), "reporting": view.envoys}
+            "dropped_per_s": round(view.dropped_per_s, 3), "reporting": view.envoys,
+            # per endpoint ("ip:port"): what the reporting Envoys sent it, as rates and levels
+            "endpoints": {address: {"issued_per_s": round(e.issued_per_s, 3),
+                                    "errors_per_s": round(e.errors_per_s, 3),
+                                    "in_progress": e.in_progress, "reporting": e.envoys}
+                          for address, e in view.endpoints.items()}}
 
 
 def admission_document(config: Config, state: AdmissionState,
@@ -277,7 +282,8 @@ def admission_document(config: Config, state: AdmissionState,
     values; ``budget`` null: nothing measured, everything admitted) and ``envoy``, what the
     Envoys' load reports (LRS) count: ``issued`` (admitted) and ``dropped`` (refused) since
     trimtab started, their rates over the latest reports, and what is in flight (null: no
-    Envoy has reported on the cluster)."""
+    Envoy has reported on the cluster), and per endpoint the rates and levels of the latest
+    reports (``endpoints``)."""
     limits = state.limits(config)
     pools: dict[str, Any] = {}
     for pool in config.pools:

@@ -9,7 +9,10 @@ interval*: `total_dropped_requests` (measured against Envoy 1.40: every request 
 breaker refused, response flag UO, `cluster.<c>.upstream_rq_active_overflow`, is counted
 here) and, per locality, `total_issued_requests` (requests sent upstream: admitted),
 `total_requests_in_progress` (a level, not a count) and the successes and errors (a refused
-request is counted as an error too, without being issued).
+request is counted as an error too, without being issued). trimtab also asks for
+`report_endpoint_granularity`: each locality's `upstream_endpoint_stats` then carry the same
+counts per endpoint, which the status page shows beside each weight (a dead endpoint shows
+its errors, not an idle weight 100); only each open stream's latest report of them is kept.
 
 Three parts, as in the xDS streams:
 
@@ -82,6 +85,16 @@ class ReportLimits:
 
 
 @dataclass(frozen=True)
+class EndpointLoad:
+    """One endpoint's counts over one interval of one Envoy's report (trimtab asks for
+    ``report_endpoint_granularity``): what Envoy sent it, what failed, what is in flight."""
+
+    issued: int = 0
+    errors: int = 0
+    in_progress: int = 0
+
+
+@dataclass(frozen=True)
 class ClusterLoad:
     """One cluster's counts over one interval of one Envoy's report."""
 
@@ -89,6 +102,7 @@ class ClusterLoad:
     dropped: int = 0
     in_progress: int = 0  # a level at the end of the interval
     interval_s: float = 0.0
+    endpoints: Mapping[str, EndpointLoad] = field(default_factory=dict)  # "ip:port" ->
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,8 @@ class LoadReportStream:
             if before is not None:
                 load = ClusterLoad(before.issued + load.issued, before.dropped + load.dropped,
                                    before.in_progress + load.in_progress,
-                                   max(before.interval_s, load.interval_s))
+                                   max(before.interval_s, load.interval_s),
+                                   _sum_endpoints(before.endpoints, load.endpoints))
             out[cluster.cluster_name] = load
         self.reports += 1
         return Report(out)
@@ -166,17 +181,31 @@ class LoadReportStream:
 
         dropped = count("total_dropped_requests", cluster.total_dropped_requests)
         issued = in_progress = 0
+        endpoints: dict[str, EndpointLoad] = {}
         for locality in cluster.upstream_locality_stats:
             issued += count("total_issued_requests", locality.total_issued_requests)
             in_progress += count("total_requests_in_progress",
                                  locality.total_requests_in_progress)
+            for stats in locality.upstream_endpoint_stats:
+                socket = stats.address.socket_address
+                if not socket.address:
+                    continue  # not an IP:port (a pipe): nothing trimtab publishes
+                check_text("upstream_endpoint_stats.address", socket.address,
+                           limits.cluster_name)
+                key = f"{socket.address}:{socket.port_value}"
+                was = endpoints.get(key, EndpointLoad())
+                endpoints[key] = EndpointLoad(
+                    was.issued + count("total_issued_requests", stats.total_issued_requests),
+                    was.errors + count("total_error_requests", stats.total_error_requests),
+                    was.in_progress + count("total_requests_in_progress",
+                                            stats.total_requests_in_progress))
         interval = cluster.load_report_interval
         seconds = interval.seconds + interval.nanos / 1e9
         if not 0 <= seconds <= limits.max_interval_s:
             raise ProtocolError(f"load_report_interval of cluster {shown(name)} is "
                                 f"{seconds:g} s; this server accepts 0 to "
                                 f"{limits.max_interval_s:g} (docs/security.md)")
-        return ClusterLoad(issued, dropped, in_progress, seconds)
+        return ClusterLoad(issued, dropped, in_progress, seconds, endpoints)
 
     def response(self) -> lrs_pb2.LoadStatsResponse | None:
         """The answer to the first report (every cluster, every `interval_s`); then None."""
@@ -185,9 +214,31 @@ class LoadReportStream:
         self._answered = True
         whole = int(self.interval_s)
         return lrs_pb2.LoadStatsResponse(
-            send_all_clusters=True,
+            send_all_clusters=True, report_endpoint_granularity=True,
             load_reporting_interval=duration_pb2.Duration(
                 seconds=whole, nanos=int(round((self.interval_s - whole) * 1e9))))
+
+
+def _sum_endpoints(a: Mapping[str, EndpointLoad], b: Mapping[str, EndpointLoad]
+                  ) -> dict[str, EndpointLoad]:
+    out = dict(a)
+    for address, load in b.items():
+        was = out.get(address)
+        out[address] = load if was is None else EndpointLoad(
+            was.issued + load.issued, was.errors + load.errors,
+            was.in_progress + load.in_progress)
+    return out
+
+
+@dataclass(frozen=True)
+class EndpointView:
+    """An endpoint's load across the Envoys reporting now: requests in flight and the rates
+    of their latest reports (per second)."""
+
+    in_progress: int
+    issued_per_s: float
+    errors_per_s: float
+    envoys: int  # fresh reports that named the endpoint
 
 
 @dataclass(frozen=True)
@@ -201,6 +252,7 @@ class ClusterView:
     issued_per_s: float
     dropped_per_s: float
     envoys: int  # streams whose latest report named the cluster and is not stale
+    endpoints: Mapping[str, EndpointView] = field(default_factory=dict)  # "ip:port" ->
 
 
 @dataclass
@@ -262,6 +314,7 @@ class EnvoyLoad:
         `stale_after_s` adds nothing to the levels and rates."""
         now = self.clock()
         levels: dict[str, list[float]] = {}
+        hosts: dict[str, dict[str, list[float]]] = {}
         for latest in self._latest.values():
             for name, entry in latest.items():
                 if now - entry.at > stale_after_s:
@@ -273,11 +326,19 @@ class EnvoyLoad:
                 row[1] += load.issued / span
                 row[2] += load.dropped / span
                 row[3] += 1
+                for address, one in load.endpoints.items():
+                    host = hosts.setdefault(name, {}).setdefault(address, [0, 0.0, 0.0, 0])
+                    host[0] += one.in_progress
+                    host[1] += one.issued / span
+                    host[2] += one.errors / span
+                    host[3] += 1
         out = {}
         for name in sorted(self.issued.keys() | levels.keys()):
             row = levels.get(name, [0, 0.0, 0.0, 0])
+            endpoints = {address: EndpointView(int(h[0]), h[1], h[2], int(h[3]))
+                         for address, h in sorted(hosts.get(name, {}).items())}
             out[name] = ClusterView(self.issued.get(name, 0), self.dropped.get(name, 0),
-                                    int(row[0]), row[1], row[2], int(row[3]))
+                                    int(row[0]), row[1], row[2], int(row[3]), endpoints)
         return out
 
 

@@ -209,7 +209,7 @@
       el("div", { class: "pool-admission muted" }),
       el("div", { class: "chart-box" }),
       el("table", { class: "grid legend" },
-        el("thead", {}, el("tr", {}, ...["", "endpoint", "weight", "locality", "share", "signals", "flags", "age", "reason"]
+        el("thead", {}, el("tr", {}, ...["", "endpoint", "weight", "locality", "share", "Envoy", "signals", "flags", "age", "reason"]
           .map((h) => el("th", {}, h)))),
         el("tbody")));
     container.append(section);
@@ -432,6 +432,7 @@
       tbody.append(row);
       fillLegendRow(row, endpoints[address], trafficShare(pool, endpoints[address]),
         colorOf(addresses, address));
+      fillEnvoyCell(row.querySelector(".envoy"), pool, address, endpoints[address]);
     }
   }
 
@@ -441,6 +442,7 @@
       el("td", { class: "num weight" }),
       el("td", { class: "locality", title: "Envoy locality (capacity tier) and its weight" }),
       el("td", { class: "num share", title: "expected share of the pool's new requests, as Envoy routes them: locality weight x host weight, priorities and health, and the canary split" }),
+      el("td", { class: "num envoy", title: "what the Envoys' load reports (LRS) say they sent this endpoint: requests per second, errors per second, in flight" }),
       el("td", { class: "signals" }), el("td", { class: "flags" }), el("td", { class: "num age" }),
       el("td", { class: "reason" }));
     tbody.append(row);
@@ -464,6 +466,27 @@
     replaceIfChanged(row.querySelector(".flags"), flags.map(([text, cls]) => el("span", { class: `flag ${cls}` }, text)));
     setText(row.querySelector(".age"), ep.updated_at === null ? "never" : fmtAge(nowSeconds() - ep.updated_at));
     setText(row.querySelector(".reason"), ep.reason || "");
+  }
+
+  // What Envoy sees of one endpoint (/v1/admission: the load reports' per-endpoint counts):
+  // a dead endpoint shows its errors and nothing in flight, not an idle weight.
+  function fillEnvoyCell(cell, pool, address, ep) {
+    const cluster = ((state.admission || {})[pool] || { clusters: {} }).clusters[ep.cluster];
+    const envoy = cluster ? cluster.envoy : null;
+    let text = "–";
+    let mode = "none";
+    if (envoy) {
+      const e = (envoy.endpoints || {})[address];
+      if (!e) [text, mode] = ["not routed", "idle"];
+      else {
+        text = `${fmtNumber(e.issued_per_s)}/s · ${e.in_progress} in flight`;
+        mode = "ok";
+        if (e.errors_per_s > 0) [text, mode] = [`${text} · ${fmtNumber(e.errors_per_s)}/s errors`, "errors"];
+      }
+    }
+    cell.dataset.envoy = mode;
+    cell.className = mode === "errors" ? "num envoy bad" : "num envoy";
+    setText(cell, text);
   }
 
   function replaceIfChanged(cell, children) {
