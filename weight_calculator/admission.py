@@ -14,8 +14,9 @@ the tick's lag)::
 (requests waiting: the engine admitted all it could), and otherwise never taken below what it
 runs now. The pool's budget is the sum over its serving endpoints, never below what they run
 at once, so admission never refuses work the fleet can serve. Until the service rate is
-measured, a full engine's throughput stands in for it (a lower bound); a pool with neither
-has no budget: it admits everything.
+measured, a full engine's throughput stands in for it (a lower bound). A pool with a serving
+endpoint that has neither (its capacity unknown: what it runs now says nothing of what it
+could) has no budget: it admits everything.
 """
 
 from __future__ import annotations
@@ -121,11 +122,14 @@ def pool_budget(weights: PoolWeights, policy: AdmissionPolicy,
     serving_set = [a for a, ew in weights.endpoints.items() if _serves(ew)]
     measured = [a for a in serving_set if endpoints[a].measured]
     serving = math.ceil(sum(endpoints[a].running_capacity for a in serving_set))
-    if not measured or weights.fail_static:
-        why = "fail-static" if weights.fail_static else "no service rate measured yet"
+    unknown = len(serving_set) - len(measured)
+    if not measured or unknown or weights.fail_static:
+        why = ("fail-static" if weights.fail_static
+               else "no service rate measured yet" if not measured
+               else f"the capacity of {unknown} serving endpoint(s) is not known yet "
+                    f"(no measured rate, not full)")
         return PoolBudget(None, serving, 0.0, endpoints, f"admit everything: {why}")
     queue = sum(endpoints[a].queue for a in measured)
-    # unmeasured serving endpoints hold what they run now, no queue
     total = max(serving, serving + queue, 1)
     held = sum(ew.signals.get("running", 0.0) + ew.signals.get("queue", 0.0)
                for a, ew in weights.endpoints.items() if a in serving_set)

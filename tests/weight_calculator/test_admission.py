@@ -56,6 +56,9 @@ def test_a_full_engine_without_a_measured_rate_is_budgeted_on_its_throughput() -
     budget = pool_budget(_pool(a=unrated(4)), AdmissionPolicy(2.0))
     assert budget.in_flight == 8 + 1  # 1 completion/s (a lower bound) x 0.75 x 2 s
     assert pool_budget(_pool(a=unrated(0)), AdmissionPolicy(2.0)).in_flight is None  # not full
+    # one engine full for a moment at moderate load: the others' capacity is unknown
+    mixed = pool_budget(_pool(a=unrated(4), b=unrated(0)), AdmissionPolicy(2.0))
+    assert mixed.in_flight is None and "capacity of 1 serving endpoint" in mixed.reason
 
 
 def test_running_capacity_is_learnt_when_full_and_kept_when_not() -> None:
