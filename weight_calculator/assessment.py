@@ -236,7 +236,20 @@ def assess_pool(inputs: Mapping[str, EndpointInput], policy: CompositePolicy, no
     assessed = {address: _assess(inputs[address], policy, plan, now) for address in sorted(inputs)}
     held = previous.endpoints if previous is not None else {}
     usable = {address: a for address, a in assessed.items() if a.usable}
-    frozen = _fail_static(assessed, held, policy) if assessed and not usable else None
+    frozen = None
+    if assessed and not usable:
+        # fail-static holds the weights from before a loss; a pool none of whose endpoints
+        # was ever read (no sample now, none behind a previous weight) lost nothing: each
+        # endpoint is unread, as alone (weight 1, then warm-up gives the young ones
+        # warmup_weight, WARMING: weight_calculator/adjust.py)
+        never_read = (all(a.status == STALE and a.updated_at is None
+                          for a in assessed.values())
+                      and all(ew.updated_at is None for ew in held.values()))
+        frozen = (PoolWeights(endpoints={address: _unusable_weight(a, held.get(address),
+                                                                   MIN_WEIGHT, policy)
+                                         for address, a in assessed.items()},
+                              fail_static=False) if never_read else
+                  _fail_static(assessed, held, policy))
     return PoolAssessment(assessed, held, usable, plan, frozen)
 
 

@@ -116,13 +116,18 @@ def compute_pool_weights(
 
     Fresh samples are weighted by :func:`gpu_memory_weight`; endpoints whose telemetry is
     older than ``policy.stale_after_seconds`` (or absent, or unusable) get ``min_weight``.
-    If every endpoint is in that state the pool goes fail-static: previous weights are held.
+    If every endpoint is in that state the pool goes fail-static: previous weights are held
+    (not when none was ever read: there is nothing to hold, and warm-up applies).
     An empty pool yields no endpoints and ``fail_static=False``. Never raises.
     """
     fresh = {
         address: _endpoint_weight(observations[address], policy, now)
         for address in sorted(observations)
     }
-    if fresh and all(ew.saturated for ew in fresh.values()):
+    ever_read = (any(obs.sample is not None for obs in observations.values())
+                 or previous is not None
+                 and any(ew.updated_at is not None for ew in previous.endpoints.values()))
+    if fresh and all(ew.saturated for ew in fresh.values()) and ever_read:
+        # fail-static holds weights from before a loss; a pool never read lost nothing
         return _fail_static(fresh, policy, previous)
     return PoolWeights(endpoints=fresh, fail_static=False)

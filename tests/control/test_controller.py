@@ -420,3 +420,38 @@ def test_the_startup_heap_is_frozen_out_of_the_cyclic_gc_after_a_tick_until_clos
 
     frozen, after_close = asyncio.run(scenario())
     assert frozen > 0 and after_close == 0  # closed: what it held can be collected again
+
+
+@pytest.mark.parametrize("policy", ["queueing", "composite", "reference", "gpu_memory"])
+def test_a_pool_never_read_since_start_warms_up_and_is_not_fail_static(policy):
+    """Issue 25 item 3: a pool none of whose endpoints has been read since trimtab started
+    lost nothing, so it is not fail-static at weight 1: its endpoints get warmup_weight and
+    WARMING (docs/configuration.md, "Warm-up"), then go stale alone; a real loss still holds."""
+    config = parse_config({
+        "telemetry": {"interval_seconds": 1, "stale_after_seconds": 3},
+        "weights": {"policy": policy},
+        "pools": [{"name": "p", "model": "m", "endpoints": [{"address": "10.0.0.1:80"},
+                                                           {"address": "10.0.0.2:80"}]}]})
+    clock, scraper, cache = [1000.0], FakeScraper(), SnapshotCache()
+    controller = Controller(config, cache, scraper=scraper, clock=lambda: clock[0])
+    asyncio.run(controller.tick())
+    pool = controller.weights["p"]
+    assert not pool.fail_static
+    assert {(ew.weight, ew.health) for ew in pool.endpoints.values()} == {(10, "WARMING")}
+    assert eds_weights(cache, "p") == {"10.0.0.1:80": 10, "10.0.0.2:80": 10}
+    clock[0] += 4  # past stale_after since first seen: stale, each on its own
+    asyncio.run(controller.tick())
+    pool = controller.weights["p"]
+    assert not pool.fail_static
+    assert {(ew.weight, ew.stale) for ew in pool.endpoints.values()} == {(1, True)}
+    assert not any("fail-static" in ew.reason for ew in pool.endpoints.values())
+    scraper.pct = {"10.0.0.1:80": 20.0, "10.0.0.2:80": 20.0}
+    for _ in range(3):
+        clock[0] += 1
+        asyncio.run(controller.tick())
+    before = {a: ew.weight for a, ew in controller.weights["p"].endpoints.items()}
+    scraper.pct = {}  # both lost at once after being read: a loss, held
+    clock[0] += 1
+    asyncio.run(controller.tick())
+    pool = controller.weights["p"]
+    assert pool.fail_static and {a: ew.weight for a, ew in pool.endpoints.items()} == before

@@ -525,7 +525,9 @@ def _ref_weights(
         return int(max(1, min(policy.max_weight, weight)))
 
     assessed = {a: _ref_assess(inp, policy) for a, inp in pool.items()}
-    if pool and all(status != HEALTHY for status, _, _ in assessed.values()):
+    read = any(inp.signals is not None and inp.collected_at is not None for inp in pool.values())
+    if pool and read and all(status != HEALTHY for status, _, _ in assessed.values()):
+        # fail-static only after a loss: a pool never read is unread endpoint by endpoint
         return {a: (clamp(prior.get(a, 1)), status) for a, (status, _, _) in assessed.items()}, True
     counted = [
         float(capacity)
