@@ -105,3 +105,34 @@ def test_short_demo_run_prints_weights_and_split_and_cleans_up() -> None:
     workdir = re.search(r"log: (\S+)/trimtab\.log", result.stdout)
     assert workdir is not None and _processes_mentioning(workdir.group(1)) == []
     assert not any(_listening(port) for port in [*backends, *others.values()])
+
+
+def test_live_table_expects_the_status_pages_shares_not_host_weights_alone() -> None:
+    """Issue 25 item 3: with capacity tiers the host weights are equal (100) and the tier's
+    locality weight carries the split; the demo table's `expected` column is the status
+    page's share (weight_calculator.localities.document_shares), and shows the tier."""
+    from types import SimpleNamespace
+
+    from trimtab_dev.demo.live import COLUMNS, RunView
+    from weight_calculator.localities import document_shares
+
+    servers = [SimpleNamespace(name=n, gpu=g, address=a) for n, g, a in (
+        ("a100-0", "A100", "10.0.0.1:80"), ("a100-1", "A100", "10.0.0.2:80"),
+        ("l4-0", "L4", "10.0.0.3:80"))]
+    weights = {"10.0.0.1:80": {"weight": 100, "health": "HEALTHY", "locality": "kv400000",
+                               "locality_weight": 100},
+               "10.0.0.2:80": {"weight": 100, "health": "HEALTHY", "locality": "kv400000",
+                               "locality_weight": 100},
+               "10.0.0.3:80": {"weight": 100, "health": "HEALTHY", "locality": "kv100000",
+                               "locality_weight": 10}}
+    sample = lambda value: SimpleNamespace(samples=[(0.0, value)])  # noqa: E731
+    view = RunView("trimtab", SimpleNamespace(servers=servers), None, {  # type: ignore[arg-type]
+        "trimtab_weights": sample(weights), "sim": sample({"servers": {}}),
+        "envoy_requests": sample({"10.0.0.1:80": 48, "10.0.0.2:80": 47, "10.0.0.3:80": 5})})
+    rows = {r.name: r for r in view.rows()}
+    assert {n: r.expected for n, r in rows.items()} == {
+        s.name: document_shares(weights)[s.address] for s in servers}
+    assert rows["l4-0"].expected == pytest.approx(10 / 110)  # not a third: its tier weighs 10
+    cells = dict(zip(COLUMNS, rows["l4-0"].cells(), strict=True))
+    assert cells["weight"] == "100 × kv100000 10" and cells["expected"] == "9.1%"
+    assert cells["share"] == "5.0% (5)"

@@ -19,7 +19,7 @@ from trimtab_dev.loadgen.runner import RequestRecord
 LIVE_EVERY_S = 1.0
 PLAIN_EVERY_S = 10.0
 ITL_WINDOW_S = 15.0
-COLUMNS = ("endpoint", "GPU", "weight", "queue", "KV use", "ITL", "share")
+COLUMNS = ("endpoint", "GPU", "weight", "queue", "KV use", "ITL", "expected", "share")
 
 
 # ---- what the live table shows --------------------------------------------------------------
@@ -32,12 +32,18 @@ class EndpointRow:
     kv_usage: float | None
     itl_ms: float | None
     requests: int
-    share: float | None
+    share: float | None  # measured: of the requests Envoy sent so far
+    # what the weights ask for, as the status page shows it (locality weight x host weight,
+    # priorities and health: weight_calculator.localities.document_shares)
+    expected: float | None = None
+    tier: str | None = None  # the endpoint's locality (capacity tier) and its weight
 
     def cells(self) -> list[str]:
-        return [self.name, self.gpu, _opt(self.weight), _opt(self.waiting),
+        weight = _opt(self.weight) + (f" × {self.tier}" if self.tier else "")
+        return [self.name, self.gpu, weight, _opt(self.waiting),
                 "-" if self.kv_usage is None else f"{100 * self.kv_usage:.0f}%",
                 "-" if self.itl_ms is None else f"{self.itl_ms:.1f} ms",
+                "-" if self.expected is None else f"{100 * self.expected:.1f}%",
                 "-" if self.share is None else f"{100 * self.share:.1f}% ({self.requests})"]
 
 
@@ -91,13 +97,17 @@ class RunView:
         servers = (self.latest("sim") or {}).get("servers", {})
         routed = self.latest("envoy_requests") or {}
         total = sum(routed.values())
+        expected = report.effective_shares(weights) if weights else {}
         rows = []
         for s in self.fleet.servers:
             state, count = servers.get(s.name, {}), routed.get(s.address, 0)
-            weight = weights.get(s.address, {}).get("weight")
-            rows.append(EndpointRow(s.name, s.gpu, weight, state.get("waiting"),
+            mine = weights.get(s.address, {})
+            tier = (f"{mine['locality']} {mine.get('locality_weight') or 1}"
+                    if mine.get("locality") else None)
+            rows.append(EndpointRow(s.name, s.gpu, mine.get("weight"), state.get("waiting"),
                                     state.get("kv_usage"), self.itl_ms(s.name), count,
-                                    count / total if total else None))
+                                    count / total if total else None,
+                                    expected.get(s.address), tier))
         return rows
 
     def headline(self) -> str:
