@@ -10,9 +10,10 @@ the tick's lag)::
 
     budget_i = R_i + floor(wait_fraction * ttft_seconds * mu_i / c)
 
-``R_i``, the requests the engine runs at once, is learnt from the reads that found it full
-(requests waiting: the engine admitted all it could), and otherwise never taken below what it
-runs now. The pool's budget is the sum over its serving endpoints, never below what they run
+``R_i``, the requests the engine runs at once, is the most it has been seen running, drifting
+down slowly (a tenth of the gap a read) only while reads find it full (requests waiting) with
+fewer running: a long prefill holds an engine full with a few requests for a moment, which
+says little of what it runs at once. The pool's budget is the sum over its serving endpoints, never below what they run
 at once, so admission never refuses work the fleet can serve. Until the service rate is
 measured, a full engine's throughput stands in for it (a lower bound). A pool with a serving
 endpoint that has neither (its capacity unknown: what it runs now says nothing of what it
@@ -29,8 +30,8 @@ from weight_calculator.health import DEGRADED, HEALTHY
 from weight_calculator.types import EndpointWeight, PoolWeights
 
 RUNNING_CAPACITY = "admission.running_capacity"  # breakdown-style key of what is carried
-_LEARN = 0.5  # weight of a full read when learning R (the engine's concurrency drifts with
-# the prompt mix; one read must not set it)
+_LOWER = 0.1  # how far a full read running fewer moves R down (a long prefill holds an engine
+# full with few running: one such read must not shrink it)
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,8 @@ def _running_capacity(ew: EndpointWeight, previous: EndpointBudget | None) -> fl
     running = ew.signals.get("running", 0.0)
     waiting = ew.signals.get("queue", 0.0)
     before = previous.running_capacity if previous is not None else 0.0
-    if waiting > 0 and running > 0:  # full: what it runs is its capacity now
-        return running if before <= 0 else (1 - _LEARN) * before + _LEARN * running
+    if waiting > 0 and running > 0 and running < before:  # full with fewer: drift down
+        return before - _LOWER * (before - running)
     return max(before, running)
 
 

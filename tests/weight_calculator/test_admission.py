@@ -61,13 +61,15 @@ def test_a_full_engine_without_a_measured_rate_is_budgeted_on_its_throughput() -
     assert mixed.in_flight is None and "capacity of 1 serving endpoint" in mixed.reason
 
 
-def test_running_capacity_is_learnt_when_full_and_kept_when_not() -> None:
+def test_running_capacity_is_the_most_seen_and_drifts_down_only_while_full() -> None:
     policy = AdmissionPolicy(2.0)
     first = pool_budget(_pool(a=_ew(8, 4)), policy)
     quiet = pool_budget(_pool(a=_ew(2, 0)), policy, first)
     assert quiet.endpoints["a"].running_capacity == 8  # a quiet read does not lower it
     fuller = pool_budget(_pool(a=_ew(16, 4)), policy, quiet)
-    assert fuller.endpoints["a"].running_capacity == pytest.approx(12)  # halfway to 16
+    assert fuller.endpoints["a"].running_capacity == 16  # more running: at once
+    blocked = pool_budget(_pool(a=_ew(2, 4)), policy, fuller)  # full with 2 (a long prefill)
+    assert blocked.endpoints["a"].running_capacity == pytest.approx(16 - 1.4)
 
 
 def test_standby_endpoints_take_no_part() -> None:
