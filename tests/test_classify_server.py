@@ -427,7 +427,7 @@ def test_learned_tiers_count_as_tiers_and_the_factory_key_is_checked() -> None:
     assert config.classifier is not None and config.classifier.learned_tiers == ["fp"]
     without = _learned_document(18200)
     without["classifier"]["learned_tiers"] = []
-    with pytest.raises(ConfigError, match=r"pools\[0\]\.intent_tiers\.fp: no classifier rule"):
+    with pytest.raises(ConfigError, match=r"pools\[chat\]\.intent_tiers\.fp: no classifier rule"):
         parse_config(without)
     bad = _learned_document(18200, learned="not a module path")
     with pytest.raises(ConfigError, match=r"classifier\.learned"):
