@@ -14,10 +14,10 @@ the tick's lag)::
 down slowly (a tenth of the gap a read) only while reads find it full (requests waiting) with
 fewer running: a long prefill holds an engine full with a few requests for a moment, which
 says little of what it runs at once. The pool's budget is the sum over its serving endpoints, never below what they run
-at once, so admission never refuses work the fleet can serve. Until the service rate is
-measured, a full engine's throughput stands in for it (a lower bound). A pool with a serving
-endpoint that has neither (its capacity unknown: what it runs now says nothing of what it
-could) has no budget: it admits everything.
+at once, so admission never refuses work the fleet can serve. A pool with a serving endpoint
+whose service rate is not measured yet has no budget: it admits everything (what an engine
+runs now says nothing of what it could; a throughput seen below saturation only bounds its
+rate from below, and budgets from it refused steady load while the engines warmed up).
 """
 
 from __future__ import annotations
@@ -84,23 +84,10 @@ def _running_capacity(ew: EndpointWeight, previous: EndpointBudget | None) -> fl
     return max(before, running)
 
 
-def _service_rate(ew: EndpointWeight) -> float | None:
-    """The measured service rate; before there is one, while the engine is full (requests
-    waiting), the throughput it showed, which bounds the rate from below: admission starts
-    with the first full read instead of after a horizon of queued time, by which a surge
-    has queued seconds of work that every later request waits behind."""
-    mu = ew.breakdown.get("service_rate_used")
-    if mu:
-        return mu
-    if ew.signals.get("queue", 0.0) > 0 and ew.signals.get("running", 0.0) > 0:
-        return ew.breakdown.get("throughput") or None
-    return None
-
-
 def _endpoint_budget(ew: EndpointWeight, policy: AdmissionPolicy,
                      previous: EndpointBudget | None) -> EndpointBudget:
     r = _running_capacity(ew, previous)
-    mu = _service_rate(ew)
+    mu = ew.breakdown.get("service_rate_used")
     c = ew.breakdown.get("work_per_request")
     if not mu or not c or mu <= 0 or c <= 0:
         return EndpointBudget(r, 0, False)
@@ -127,8 +114,7 @@ def pool_budget(weights: PoolWeights, policy: AdmissionPolicy,
     if not measured or unknown or weights.fail_static:
         why = ("fail-static" if weights.fail_static
                else "no service rate measured yet" if not measured
-               else f"the capacity of {unknown} serving endpoint(s) is not known yet "
-                    f"(no measured rate, not full)")
+               else f"the service rate of {unknown} serving endpoint(s) is not measured yet")
         return PoolBudget(None, serving, 0.0, endpoints, f"admit everything: {why}")
     queue = sum(endpoints[a].queue for a in measured)
     total = max(serving, serving + queue, 1)
