@@ -22,7 +22,10 @@ from trimtab_dev.demo.simulated import window
 from trimtab_dev.loadgen.runner import RequestRecord
 
 ENDPOINTS = ("h100-0", "h100-1", "a100-0", "a100-1", "l4-0", "l4-1")  # fleet-hetero.yaml
-ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\d+|-)\s+(\d+|-)\s+(\d+%|-)\s+(.+?)\s+(\S+%) \((\d+)\)$")
+# endpoint, GPU, weight (× its tier and the tier's weight), queue, KV use, ITL, expected share
+# (not captured), the share Envoy sent (requests)
+ROW = re.compile(r"^(\S+)\s+(\S+)\s+(\d+|-)(?: × \S+ \d+)?\s+(\d+|-)\s+(\d+%|-)\s+(.+?)"
+                 r"\s+(?:\S+%|-)\s+(\S+%) \((\d+)\)$")
 PIDS = re.compile(r"^(\S+): pids (.+?);")
 STATUS = re.compile(r"^>>> trimtab's live status page: (http://127\.0\.0\.1:(\d+)/) ")
 
