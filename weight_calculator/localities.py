@@ -212,8 +212,11 @@ def document_shares(endpoints: Mapping[str, Mapping[str, object]]) -> dict[str, 
     """:func:`effective_shares` of one cluster's endpoints as ``/v1/weights`` shows them
     (``weight``, ``health``, ``locality``, ``locality_weight``, ``drain``): the one
     computation the status page, ``trimtab weights``, the bench and the demo table share."""
+    def number(value: object, default: int) -> int:
+        return int(value) if isinstance(value, (int, float)) and value else default
+
     return effective_shares({
-        address: eds_host(int(e.get("weight") or 1), e.get("health"),  # type: ignore[arg-type]
+        address: eds_host(number(e.get("weight"), 1), e.get("health"),  # type: ignore[arg-type]
                           e.get("locality"), e.get("locality_weight"),  # type: ignore[arg-type]
                           bool(e.get("drain")))
         for address, e in endpoints.items()})
