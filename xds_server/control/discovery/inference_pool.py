@@ -46,13 +46,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kubernetes import client as k8s_client
 from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from xds_server.config.addresses import unroutable_reason
+from xds_server.control.discovery.handover import LoopHandover
 from xds_server.control.discovery.kubernetes import (
     HTTP_GONE,
     Backoff,
@@ -239,7 +240,7 @@ class _Reselect(Exception):
 
 
 @dataclass
-class InferencePoolWatcher:
+class InferencePoolWatcher(LoopHandover):
     """List+watch of one InferencePool and its selected pods; see the module docstring.
 
     Call :meth:`start` from the event loop that should receive updates, then read
@@ -247,6 +248,7 @@ class InferencePoolWatcher:
     (called on the loop with the latest set, coalesced). :meth:`stop` ends both threads.
     """
 
+    kind: ClassVar[str] = "InferencePool"
     api_client: k8s_client.ApiClient
     namespace: str
     name: str
@@ -294,15 +296,6 @@ class InferencePoolWatcher:
     def field_selector(self) -> str:
         return f"metadata.name={self.name}"
 
-    @property
-    def synced(self) -> bool:
-        """True once the first complete set (pool and pods listed) has been published."""
-        return self._synced
-
-    def current(self) -> EndpointSet:
-        """The latest routable endpoint set (empty until synced)."""
-        return self._current
-
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if self._threads:
             raise RuntimeError("watcher already started")
@@ -332,31 +325,6 @@ class InferencePoolWatcher:
                 log.warning("InferencePool watch thread %s did not stop within %.1fs",
                             thread.name, timeout)
         self._threads = []
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.stop)
-
-    async def wait_synced(self, timeout: float | None = None) -> EndpointSet:
-        """Wait until the first complete set has been published; returns the current set."""
-        async with asyncio.timeout(timeout):
-            while not self._synced:
-                self.changed.clear()
-                await self.changed.wait()
-        return self._current
-
-    def _deliver(self) -> None:
-        """On the loop: publish the latest set handed over by a thread."""
-        with self._lock:
-            latest, self._latest, self._pending = self._latest, None, False
-        if latest is None or self._stop.is_set():
-            return
-        self._current, self._synced = latest, True
-        self.changed.set()
-        if self.on_change is not None:
-            try:
-                self.on_change(latest)
-            except Exception:
-                log.exception("InferencePool on_change callback failed")
 
     # -- thread side: shared state (under _state) ------------------------------------------
 

@@ -42,7 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
@@ -50,6 +50,7 @@ from kubernetes import watch as k8s_watch
 from kubernetes.client.exceptions import ApiException
 
 from xds_server.config.addresses import unroutable_reason
+from xds_server.control.discovery.handover import LoopHandover
 from xds_server.envoy.clusters import DRAINING, HEALTHY
 
 log = logging.getLogger(__name__)
@@ -222,7 +223,7 @@ class _Relist(Exception):
 
 
 @dataclass
-class EndpointSliceWatcher:
+class EndpointSliceWatcher(LoopHandover):
     """List+watch of one service's EndpointSlices in a thread; see the module docstring.
 
     Call :meth:`start` from the event loop that should receive updates, then read
@@ -230,6 +231,7 @@ class EndpointSliceWatcher:
     (called on the loop with the latest set, coalesced). :meth:`stop` ends the thread.
     """
 
+    kind: ClassVar[str] = "EndpointSlice"
     api_client: k8s_client.ApiClient
     namespace: str
     service: str
@@ -264,15 +266,6 @@ class EndpointSliceWatcher:
     def label_selector(self) -> str:
         return f"{SERVICE_NAME_LABEL}={self.service}"
 
-    @property
-    def synced(self) -> bool:
-        """True once the first list has been published."""
-        return self._synced
-
-    def current(self) -> EndpointSet:
-        """The latest routable endpoint set (empty until the first list)."""
-        return self._current
-
     def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         if self._thread is not None:
             raise RuntimeError("watcher already started")
@@ -294,31 +287,6 @@ class EndpointSliceWatcher:
         if thread is not None and thread.is_alive():
             log.warning("EndpointSlice watch thread did not stop within %.1fs", timeout)
         self._thread = None
-
-    async def aclose(self) -> None:
-        await asyncio.to_thread(self.stop)
-
-    async def wait_synced(self, timeout: float | None = None) -> EndpointSet:
-        """Wait until the first list has been published; returns the current set."""
-        async with asyncio.timeout(timeout):
-            while not self._synced:
-                self.changed.clear()
-                await self.changed.wait()
-        return self._current
-
-    def _deliver(self) -> None:
-        """On the loop: publish the latest set handed over by the thread."""
-        with self._lock:
-            latest, self._latest, self._pending = self._latest, None, False
-        if latest is None or self._stop.is_set():
-            return
-        self._current, self._synced = latest, True
-        self.changed.set()
-        if self.on_change is not None:
-            try:
-                self.on_change(latest)
-            except Exception:
-                log.exception("EndpointSlice on_change callback failed")
 
     # -- thread side -----------------------------------------------------------------------
 
